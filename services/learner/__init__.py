@@ -1,0 +1,1 @@
+"""rlbus.learner service."""

@@ -1,0 +1,1 @@
+"""rlbus.ref service."""

@@ -1,0 +1,1 @@
+"""rlbus.reward service."""

@@ -1,0 +1,1 @@
+"""rlbus.rollout service."""

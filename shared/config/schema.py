@@ -1,0 +1,233 @@
+"""The one typed config tree every service reads. Field names follow verl where the meaning is the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class Section(BaseModel):
+    """Unknown keys are errors: a typo must never be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    id: str = Field("demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket")
+    dir: Path = Field(Path("runs"), description="parent folder of run directories (logs, metrics, checkpoints)")
+
+
+class DataConfig(Section):
+    task: Literal["addition", "countdown", "jsonl"] = "addition"
+    train_files: list[Path] = Field(default_factory=list, description="JSONL/parquet files when task=jsonl")
+    val_files: list[Path] = Field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    train_batch_size: int = Field(16, ge=1, description="prompts per learner step")
+    val_batch_size: int = Field(64, ge=1)
+    num_train_examples: int = Field(20000, ge=1, description="size of a generated synthetic train split")
+    num_val_examples: int = Field(128, ge=1)
+    max_prompt_length: int = Field(64, ge=1)
+    max_response_length: int = Field(8, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+    task_digits: int = Field(2, ge=1, le=6, description="operand digits of the synthetic tasks")
+
+
+class ModelConfig(Section):
+    path: Path | None = Field(None, description="HF checkpoint directory; None = the bundled tiny model")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = False
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: int = Field(16, ge=1)
+    target_modules: list[str] | str = "all-linear"
+    trust_remote_code: bool = False
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm", "sglang"] = "hf"
+    n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = off")
+    stop: list[str] = Field(default_factory=list)
+    prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
+    replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
+    seed: int = 0
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    sglang_url: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    weight_wait_timeout_s: float = Field(120.0, gt=0, description="how long work waits for its min policy version")
+
+
+class RewardConfig(Section):
+    type: Literal["task", "function", "http"] = "task"
+    function: str | None = Field(None, description="'pkg.module:callable' when type=function")
+    http_url: str | None = None
+    on_error_score: float = 0.0
+    timeout_s: float = Field(10.0, gt=0)
+    memory_limit_mb: int = Field(1024, ge=16)
+
+    @model_validator(mode="after")
+    def _needs_target(self) -> RewardConfig:
+        if self.type == "function" and not self.function:
+            raise ValueError("reward.function is required when reward.type=function ('pkg.mod:fn')")
+        if self.type == "http" and not self.http_url:
+            raise ValueError("reward.http_url is required when reward.type=http")
+        return self
+
+
+class RefConfig(Section):
+    micro_batch_size: int = Field(16, ge=1)
+    model_path: Path | None = Field(None, description="None = the policy's initial weights")
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0.0)
+    target_kl: float = Field(0.1, gt=0.0)
+    horizon: int = Field(10000, ge=1)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "dr_grpo"] = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["k1", "k2", "k3"] = "k1"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+
+
+class ActorConfig(Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = Field(0, ge=0, description="prompts per optimizer step; 0 = the whole batch")
+    ppo_micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
+    ppo_epochs: int = Field(1, ge=1)
+    clip_ratio: float = Field(0.2, gt=0.0)
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound")
+    policy_loss: Literal["vanilla", "dual_clip", "gspo"] = "vanilla"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    tis_cap: float = Field(2.0, gt=0.0, description="truncated importance-sampling cap for stale samples")
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+
+
+class CriticConfig(Section):
+    model_path: Path | None = None
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    cliprange_value: float = Field(0.5, gt=0.0)
+    value_loss_coef: float = Field(0.5, ge=0.0)
+
+
+class TrainerConfig(Section):
+    total_epochs: int = Field(1, ge=1)
+    total_training_steps: int | None = Field(40, ge=1, description="stops earlier than total_epochs when set")
+    async_level: int = Field(1, ge=0, description="policy versions rollouts may lag behind; 0 = on-policy sync")
+    save_freq: int = Field(-1, description="checkpoint every N steps; -1 = never")
+    test_freq: int = Field(-1, description="validate every N steps; -1 = never")
+    val_before_train: bool = False
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl", "tensorboard"]
+    )
+    project_name: str = "rlbus"
+    experiment_name: str = "demo"
+    nnodes: int = Field(1, ge=1)
+    n_gpus_per_node: int = Field(0, ge=0, description="0 = CPU")
+    resume_mode: str = Field("auto", description="auto | disable | <checkpoint path>")
+    max_ckpt_to_keep: int = Field(3, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_timeout_s: float = Field(300.0, gt=0, description="longest wait for ready trajectories before giving up")
+    weight_push_timeout_s: float = Field(60.0, gt=0)
+    weight_bucket_mb: int = Field(64, ge=1)
+    replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
+    dump_first_batch: bool = Field(False, description="write step 1's batch and update to the run dir (tests)")
+
+
+class BusConfig(Section):
+    url: str | None = Field(None, description="nats:// URL; None = use 127.0.0.1:4222 if it answers, else start one")
+    local_port: int = Field(0, ge=0, description="port for a server rlbus starts itself; 0 = pick a free one")
+    ack_wait_s: float = Field(60.0, gt=0)
+    max_deliver: int = Field(5, ge=1)
+    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="max_payload for a server rlbus starts")
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: Path | None = None
+    nkeys_seed: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    connect_timeout_s: float = Field(5.0, gt=0)
+    storage: Literal["file", "memory"] = "file"
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_logs: bool = False
+
+
+class RlbusConfig(BaseSettings):
+    """Root of the tree. Sources, strongest first: command-line overrides, RLBUS_* env vars, the YAML file."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RLBUS_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def needs_ref(self) -> bool:
+        """The ref service runs only when some KL term needs reference log-probs."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        from rlbus.config.loader import YamlLayerSource
+
+        return init_settings, env_settings, YamlLayerSource(settings_cls)
