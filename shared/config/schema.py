@@ -18,6 +18,7 @@ class Section(BaseModel):
 class RunConfig(Section):
     id: str = Field("demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket")
     dir: Path = Field(Path("runs"), description="parent folder of run directories (logs, metrics, checkpoints)")
+    health_port: int = Field(0, ge=0, description="HTTP port for /healthz, /readyz, /metrics; 0 = off")
 
 
 class DataConfig(Section):

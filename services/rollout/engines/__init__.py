@@ -1,0 +1,1 @@
+"""Generation engines behind one interface: hf (embedded transformers), vllm, sglang."""

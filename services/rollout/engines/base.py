@@ -1,0 +1,59 @@
+"""The interface every rollout engine implements, so the rollout loop never knows which one it drives.
+
+Log-prob convention (all engines, and the learner's recompute): the behaviour log-prob of a sampled
+token is log_softmax(logits / T) at that position, over the full vocabulary, with T = temperature
+(T = 1 when temperature is 0, i.e. greedy). top-k/top-p filtering changes what is sampled, not
+the recorded log-prob.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlbus.messages import SamplingParams, WeightAnnouncement
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingParams
+
+
+@dataclass
+class Completion:
+    response_ids: list[int]
+    logprobs: np.ndarray  # float32, one per response token
+    text: str = ""
+    finish_reason: str = "stop"  # "stop" | "length"
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """One model replica that samples completions and takes weight pushes from the learner."""
+
+    name: str = "base"
+
+    @property
+    def weight_ranks(self) -> int:
+        """How many ranks this replica occupies in the weight-broadcast group (its TP size)."""
+        return 1
+
+    @abstractmethod
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Returns, for each request, its `n` completions (with behaviour log-probs)."""
+
+    @abstractmethod
+    def receive_weights(self, announcement: WeightAnnouncement, rank: int, timeout_s: float) -> None:
+        """Joins (or reuses) the broadcast group of `announcement.epoch` at `rank`, receives every tensor,
+        verifies the checksum, and swaps the weights in. Raises on timeout or mismatch; never half-swaps."""
+
+    @abstractmethod
+    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> np.ndarray:
+        """Log-probs the engine's current weights give `response_ids` after `prompt_ids` (tests, checks)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases processes/memory; the default engine has nothing to release."""
