@@ -1,0 +1,91 @@
+"""Turns ready trajectory groups into the padded tensors one update trains on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlbus.messages import ReadyGroup
+
+
+@dataclass
+class TrainBatch:
+    """Samples of several groups, right-padded. Token tensors are [B, L-1]: position t predicts token t+1."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    position_ids: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1] float, 1 where the predicted token is a response token
+    behaviour_logprobs: torch.Tensor  # [B, L-1], 0 off-response
+    ref_logprobs: torch.Tensor | None  # [B, L-1]
+    rewards: torch.Tensor  # [B]
+    correct: torch.Tensor  # [B] bool
+    group_ids: torch.Tensor  # [B] long
+    policy_versions: torch.Tensor  # [B] long
+    temperature: float
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: torch.Tensor | list[int]) -> TrainBatch:
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        pick = lambda t: None if t is None else t[idx_t]  # noqa: E731
+        return TrainBatch(
+            input_ids=pick(self.input_ids), attention_mask=pick(self.attention_mask),
+            position_ids=pick(self.position_ids), response_mask=pick(self.response_mask),
+            behaviour_logprobs=pick(self.behaviour_logprobs), ref_logprobs=pick(self.ref_logprobs),
+            rewards=pick(self.rewards), correct=pick(self.correct), group_ids=pick(self.group_ids),
+            policy_versions=pick(self.policy_versions), temperature=self.temperature,
+        )
+
+
+def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
+    prompts: list[list[int]] = []
+    responses: list[list[int]] = []
+    behaviour: list[np.ndarray] = []
+    refs: list[np.ndarray] = []
+    rewards: list[float] = []
+    correct: list[bool] = []
+    group_ids: list[int] = []
+    versions: list[int] = []
+    temperature = 1.0
+    for gid, group in enumerate(groups):
+        traj = group.scored.trajectories
+        temperature = traj.work.sampling.temperature or 1.0
+        for i, sample in enumerate(traj.samples):
+            prompts.append(list(traj.work.prompt_ids))
+            responses.append(list(sample.response_ids))
+            behaviour.append(np.asarray(sample.logprobs, dtype=np.float32))
+            if group.ref_logprobs is not None:
+                refs.append(np.asarray(group.ref_logprobs[i], dtype=np.float32))
+            rewards.append(float(group.scored.rewards[i]))
+            correct.append(bool(group.scored.correct[i]))
+            group_ids.append(gid)
+            versions.append(traj.policy_version)
+
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    bsz = len(prompts)
+    input_ids = torch.full((bsz, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((bsz, length), dtype=torch.long)
+    resp_mask = torch.zeros((bsz, length - 1), dtype=torch.float32)
+    beh = torch.zeros((bsz, length - 1), dtype=torch.float32)
+    ref = torch.zeros((bsz, length - 1), dtype=torch.float32) if refs else None
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        seq = p + r
+        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attention[b, : len(seq)] = 1
+        start, end = len(p) - 1, len(p) - 1 + len(r)  # logits at t predict token t+1
+        resp_mask[b, start:end] = 1.0
+        beh[b, start:end] = torch.from_numpy(behaviour[b][: len(r)])
+        if ref is not None:
+            ref[b, start:end] = torch.from_numpy(refs[b][: len(r)])
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return TrainBatch(
+        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, response_mask=resp_mask,
+        behaviour_logprobs=beh, ref_logprobs=ref, rewards=torch.tensor(rewards, dtype=torch.float32),
+        correct=torch.tensor(correct, dtype=torch.bool), group_ids=torch.tensor(group_ids, dtype=torch.long),
+        policy_versions=torch.tensor(versions, dtype=torch.long), temperature=temperature,
+    )

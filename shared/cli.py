@@ -1,0 +1,172 @@
+"""The `rlbus` command: one entry point for every service, the all-in-one launcher and the tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+SUBCOMMANDS: tuple[str, ...] = (
+    "up", "learner", "rollout", "reward", "ref", "config", "status", "plot", "make-tiny-model",
+    "export-hf", "train",
+)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.train_batch_size=64")
+
+
+def _load(args: argparse.Namespace):
+    from rlbus.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from rlbus.config import dump_config
+
+    if args.action != "show":
+        print(f"unknown config action {args.action!r} (allowed: show)", file=sys.stderr)
+        return 2
+    print(dump_config(_load(args)), end="")
+    return 0
+
+
+def _cmd_service(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        cfg = _load(args)
+        if name == "learner":
+            from rlbus.learner.main import run_learner
+
+            return run_learner(cfg)
+        if name == "rollout":
+            from rlbus.rollout.service import run_rollout
+
+            return run_rollout(cfg, replica_id=args.replica_id)
+        if name == "reward":
+            from rlbus.reward.service import run_reward
+
+            return run_reward(cfg, instance_id=args.instance_id)
+        from rlbus.ref.service import run_ref
+
+        return run_ref(cfg, instance_id=args.instance_id)
+
+    return run
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rlbus.launcher import launch
+
+    cfg = _load(args)
+    if args.rollout_replicas:
+        cfg.rollout.replicas = args.rollout_replicas
+    return launch(cfg, fresh=args.fresh)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    from rlbus.learner.preference_main import is_preference_run, run_preference
+
+    if is_preference_run(cfg):
+        return run_preference(cfg)
+    from rlbus.launcher import launch
+
+    return launch(cfg, fresh=args.fresh)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from rlbus.status import run_status
+
+    return run_status(_load(args), watch=args.watch)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from rlbus.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from rlbus.cli_tiny import make_tiny_model_command
+
+    return make_tiny_model_command(args.rest)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from rlbus.learner.export import export_hf
+
+    print(export_hf(args.checkpoint, args.out))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlbus", description="RL post-training as services over NATS")
+    from rlbus import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlbus {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start NATS (if needed) and every service on this machine")
+    _config_args(p)
+    p.add_argument("--rollout-replicas", type=int, default=0)
+    p.add_argument("--fresh", action="store_true", help="drop this run id's streams and checkpoints first")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("train", help="RL via `up`, or offline preference training (DPO/KTO/SimPO)")
+    _config_args(p)
+    p.add_argument("--fresh", action="store_true")
+    p.set_defaults(func=_cmd_train)
+
+    for name in ("learner", "rollout", "reward", "ref"):
+        p = sub.add_parser(name, help=f"run the {name} service")
+        _config_args(p)
+        if name == "rollout":
+            p.add_argument("--replica-id", default=None)
+        if name in ("reward", "ref"):
+            p.add_argument("--instance-id", default=None)
+        p.set_defaults(func=_cmd_service(name))
+
+    p = sub.add_parser("config", help="`rlbus config show [overrides]` prints the resolved config")
+    p.add_argument("action", choices=["show"])
+    _config_args(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("status", help="live table of a run: services, replicas, streams, versions")
+    _config_args(p)
+    p.add_argument("--watch", action="store_true")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("make-tiny-model", help="build the tiny warm-started model", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_tiny)
+
+    p = sub.add_parser("export-hf", help="write a Hugging Face safetensors dir from a checkpoint")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.set_defaults(func=_cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rlbus.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Per-step metrics sinks: a console progress line, a JSONL file and TensorBoard (wandb when asked)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
+    """The one line a person watches: step, reward, accuracy, KL, throughput, policy lag."""
+
+    def f(key: str, fmt: str = "{:.3f}") -> str:
+        v = m.get(key)
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+    total_s = f"/{total}" if total else ""
+    return (
+        f"step {step}{total_s} | reward {f('reward/mean')} | acc {f('reward/accuracy')} | "
+        f"kl {f('actor/kl', '{:.4f}')} | len {f('response/length_mean', '{:.1f}')} | "
+        f"tok/s {f('perf/tokens_per_s', '{:.0f}')} | lag {f('staleness/mean', '{:.2f}')} | "
+        f"dropped {f('staleness/dropped_total', '{:.0f}')}"
+    )
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, loggers: list[str], total_steps: int | None = None,
+                 project: str = "rlbus", experiment: str = "run") -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = set(loggers)
+        self.total_steps = total_steps
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a") if "jsonl" in self.loggers else None  # noqa: SIM115
+        self._tb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if "wandb" in self.loggers:
+            import wandb  # optional; only when the user asked for it
+
+            self._wandb = wandb.init(project=project, name=experiment, dir=str(self.run_dir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        clean = {k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}
+        if self._jsonl:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb:
+            self._wandb.log(clean, step=step)
+        if "console" in self.loggers:
+            print(progress_line(step, self.total_steps, clean), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
