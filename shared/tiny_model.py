@@ -1,0 +1,417 @@
+"""The tiny warm-started model that the embedded default trains: built here, nothing downloaded.
+
+`build_tokenizer` makes a character-level tokenizer (one token per character) with the `tokenizers`
+library, saved as a `PreTrainedTokenizerFast` that transformers' AutoTokenizer and vLLM load.
+`build_tiny_model` makes a small Qwen2 (hidden 128, 4 heads of head_dim 32, 2 KV heads, 2 layers;
+vLLM's CPU attention needs head_dim 32 or 64) and warm-starts it with a short, deterministic SFT on
+a task, stopping as soon as its sampled (T=1) val accuracy reaches a target, so that RL still has
+room to improve it. The committed build lives in `assets/tiny-addition/` inside the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from rlbus.tasks import Example, Task, get_task
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Digits and arithmetic first (the tasks' alphabet), then what countdown prompts and a little text use.
+CHARACTERS = "0123456789+-*=() " + ":,.?#/\n" + "abcdefghijklmnopqrstuvwxyz"
+MAX_POSITIONS = 128
+INFO_FILE = "rlbus_tiny.json"
+DEFAULT_MODEL_NAME = "tiny-addition"
+FORMAT_VERSION = 1
+
+# Defaults of the committed build (the embedded default model).
+DEFAULT_SFT_STEPS = 2000
+DEFAULT_TARGET_SAMPLED_ACCURACY = 0.25
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _tokenizer_object():
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    # BPE with no merges and no pre-tokenizer = exactly one token per character; spaces and
+    # newlines are ordinary characters. Fuse joins decoded tokens without separators.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def make_tokenizer():
+    """The character-level tokenizer as a transformers `PreTrainedTokenizerFast` (not saved)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer_object(),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tokenizer(out_dir: str | os.PathLike):
+    """Build the character-level tokenizer and save it into `out_dir`; returns the tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer()
+    save_tokenizer(tokenizer, out)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer, out_dir: str | os.PathLike) -> None:
+    """Save `tokenizer`; its class is recorded as PreTrainedTokenizerFast, which transformers 4.x
+    and 5.x (where it is an alias of TokenizersBackend) and vLLM all resolve."""
+    tokenizer.save_pretrained(str(out_dir))
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+def make_config(tokenizer, **overrides):
+    """The tiny Qwen2 configuration for `tokenizer` (head_dim 32: vLLM's CPU attention accepts it)."""
+    from transformers import Qwen2Config
+
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        hidden_act="silu",
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    if not n:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def encode_example(tokenizer, example: Example) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of prompt + answer + eos; labels are -100 on the prompt."""
+    prompt = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+    answer = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def _collate(tokenizer, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+    rows = [encode_example(tokenizer, ex) for ex in examples]
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):  # right padding: positions stay 0..n-1
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+@torch.no_grad()
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> list[str]:
+    """Sample (temperature > 0) or greedily decode (temperature <= 0) a response per prompt.
+
+    Prompts are batched by token length, so no padding is needed. Generation stops at eos; the
+    response is decoded without special tokens, as rollout engines return it. Deterministic in
+    `seed`.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    eos = tokenizer.eos_token_id
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        groups.setdefault(len(ids), []).append(i)
+    out: list[str] = [""] * len(prompts)
+    for length in sorted(groups):
+        idx_all = groups[length]
+        for start in range(0, len(idx_all), batch_size):
+            idx = idx_all[start : start + batch_size]
+            ids = torch.tensor([encoded[i] for i in idx], dtype=torch.long, device=device)
+            new = torch.empty((len(idx), 0), dtype=torch.long, device=device)
+            done = torch.zeros(len(idx), dtype=torch.bool, device=device)
+            past = None
+            step_input = ids
+            for _ in range(max_new_tokens):
+                res = model(input_ids=step_input, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                logits = res.logits[:, -1, :].float().cpu()
+                if temperature is None or temperature <= 0:
+                    nxt = logits.argmax(dim=-1)
+                else:
+                    probs = torch.softmax(logits / float(temperature), dim=-1)
+                    nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                nxt = nxt.to(device)
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                new = torch.cat([new, nxt[:, None]], dim=1)
+                done |= nxt == eos
+                if bool(done.all()):
+                    break
+                step_input = nxt[:, None]
+            for row, i in enumerate(idx):
+                toks = new[row].tolist()
+                if eos in toks:
+                    toks = toks[: toks.index(eos)]
+                out[i] = tokenizer.decode(toks, skip_special_tokens=True)
+    if was_training:
+        model.train()
+    return out
+
+
+def evaluate_accuracy(
+    model,
+    tokenizer,
+    task: Task,
+    examples: Sequence[Example],
+    temperature: float = 1.0,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> float:
+    """Share of `examples` whose generated response `task.score`s as correct (0.0 for none).
+
+    temperature <= 0 is greedy decoding; sampling is deterministic in `seed`.
+    """
+    if not examples:
+        return 0.0
+    budget = max_new_tokens if max_new_tokens is not None else task.max_new_tokens
+    responses = generate_responses(
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
+        temperature=temperature,
+        max_new_tokens=budget,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    correct = sum(1 for ex, resp in zip(examples, responses, strict=True) if task.score(resp, ex.meta)[1])
+    return correct / len(examples)
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    task: str = "addition",
+    digits: int = 2,
+    seed: int = 0,
+    sft_steps: int = DEFAULT_SFT_STEPS,
+    target_sampled_accuracy: float | None = DEFAULT_TARGET_SAMPLED_ACCURACY,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup_steps: int = 20,
+    eval_every: int = 10,
+    eval_examples: int = 256,
+    final_eval_examples: int = 1000,
+    num_threads: int | None = 1,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Build the tokenizer and a tiny Qwen2, warm-start it by SFT on `task`, save all into `out_dir`.
+
+    SFT: prompt + answer + eos, loss on the answer tokens (and eos) only, AdamW with a linear
+    warm-up, one fresh batch of train examples per step. Every `eval_every` steps the sampled (T=1)
+    accuracy on `eval_examples` val examples is measured; SFT stops at the first that reaches
+    `target_sampled_accuracy` (None: run all `sft_steps`). Everything is seeded and runs on
+    `num_threads` CPU threads (1 makes it bit-for-bit reproducible), so the same arguments give the
+    same model and the same numbers. Writes config.json, generation_config.json, model.safetensors,
+    the tokenizer files and `rlbus_tiny.json` (build parameters and measured accuracies, which is
+    also returned, with `build_seconds` added).
+    """
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    t0 = time.monotonic()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    the_task = get_task(task, digits=digits)
+    say = log or (lambda msg: None)
+
+    with _torch_threads(num_threads):
+        tokenizer = make_tokenizer()
+        torch.manual_seed(seed)
+        config = make_config(tokenizer)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optim, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) if warmup_steps else 1.0
+        )
+        stop_set = the_task.make_examples("val", eval_examples, seed=seed)
+        history: list[dict] = []
+        steps_done = 0
+        reached = False
+        loss_value = float("nan")
+        model.train()
+        for step in range(1, sft_steps + 1):
+            batch = _collate(
+                tokenizer, the_task.make_examples("train", batch_size, seed=seed * 1_000_003 + step)
+            )
+            loss = model(**batch).loss
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            sched.step()
+            steps_done = step
+            loss_value = float(loss.detach())
+            if target_sampled_accuracy is not None and (step % eval_every == 0 or step == sft_steps):
+                acc = evaluate_accuracy(
+                    model, tokenizer, the_task, stop_set, temperature=1.0, seed=seed + step
+                )
+                history.append({"step": step, "loss": round(loss_value, 5), "val_sampled_accuracy": acc})
+                say(f"step {step} loss {loss_value:.4f} val sampled accuracy {acc:.3f}")
+                if acc >= target_sampled_accuracy:
+                    reached = True
+                    break
+        model.eval()
+        final_set = the_task.make_examples("val", final_eval_examples, seed=seed + 1)
+        sampled = evaluate_accuracy(model, tokenizer, the_task, final_set, temperature=1.0, seed=seed + 7)
+        greedy = evaluate_accuracy(model, tokenizer, the_task, final_set, temperature=0.0, seed=seed)
+
+    model.save_pretrained(str(out))
+    save_tokenizer(tokenizer, out)
+    import transformers
+    from rlbus import __version__
+
+    info = {
+        "format": FORMAT_VERSION,
+        "task": the_task.name,
+        "digits": digits,
+        "seed": seed,
+        "sft_steps": sft_steps,
+        "sft_steps_done": steps_done,
+        "target_sampled_accuracy": target_sampled_accuracy,
+        "target_reached": reached,
+        "batch_size": batch_size,
+        "lr": lr,
+        "warmup_steps": warmup_steps,
+        "eval_every": eval_every,
+        "eval_examples": eval_examples,
+        "final_eval_examples": len(final_set),
+        "final_train_loss": round(loss_value, 5),
+        "val_accuracy_sampled_t1": sampled,
+        "val_accuracy_greedy": greedy,
+        "max_new_tokens": the_task.max_new_tokens,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "history": history,
+        "versions": {
+            "rlbus": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return {**info, "build_seconds": round(time.monotonic() - t0, 2)}
+
+
+def read_info(model_dir: str | os.PathLike) -> dict:
+    """The `rlbus_tiny.json` of a tiny-model directory ({} if absent)."""
+    path = Path(model_dir) / INFO_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# the default model
+
+
+def default_model_path() -> Path:
+    """The committed tiny model shipped inside the package: `rlbus/assets/tiny-addition/`."""
+    return Path(__file__).resolve().parent / "assets" / DEFAULT_MODEL_NAME
+
+
+def cache_dir() -> Path:
+    """rlbus's user cache: $RLBUS_CACHE_DIR, else $XDG_CACHE_HOME/rlbus, else ~/.cache/rlbus."""
+    if os.environ.get("RLBUS_CACHE_DIR"):
+        return Path(os.environ["RLBUS_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "rlbus"
+
+
+def is_model_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (
+        (p / "config.json").is_file()
+        and (p / "model.safetensors").is_file()
+        and (p / "tokenizer.json").is_file()
+    )
+
+
+def ensure_default_model(log: Callable[[str], None] | None = None) -> Path:
+    """A directory holding the default tiny model: the committed asset, else a build in the cache.
+
+    The cache build (`<cache>/tiny-addition`) is made in a temporary sibling and renamed into
+    place, so a concurrent or interrupted build never leaves a half-written model behind.
+    """
+    asset = default_model_path()
+    if is_model_dir(asset):
+        return asset
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if is_model_dir(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        build_tiny_model(tmp, log=log)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not is_model_dir(target):  # someone else won the race only if theirs is complete
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
