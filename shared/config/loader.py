@@ -9,7 +9,6 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
-
 from rlbus.config.schema import RlbusConfig
 
 # verl prefixes -> ours. Longest match wins; keys not listed pass through unchanged.
@@ -25,7 +24,7 @@ VERL_PREFIXES: dict[str, str] = {
     "actor.kl_loss_type": "actor.kl_loss_type",
 }
 
-_yaml_layer: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("rlbus_yaml_layer", default={})
+_yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rlbus_yaml_layer", default=None)
 
 
 class ConfigError(ValueError):
@@ -36,10 +35,10 @@ class YamlLayerSource(PydanticBaseSettingsSource):
     """The weakest source: the (already alias-mapped) YAML file of the current load."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return _yaml_layer.get().get(field_name), field_name, False
+        return (_yaml_layer.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_layer.get())
+        return dict(_yaml_layer.get() or {})
 
 
 def canonical_key(key: str) -> str:

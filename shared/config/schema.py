@@ -168,6 +168,7 @@ class TrainerConfig(Section):
     batch_timeout_s: float = Field(300.0, gt=0, description="longest wait for ready trajectories before giving up")
     weight_push_timeout_s: float = Field(60.0, gt=0)
     weight_bucket_mb: int = Field(64, ge=1)
+    weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
     dump_first_batch: bool = Field(False, description="write step 1's batch and update to the run dir (tests)")
 

@@ -12,7 +12,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from rlbus.messages import SamplingParams, WeightAnnouncement
 
 

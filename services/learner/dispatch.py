@@ -1,0 +1,84 @@
+"""Keeps prompt work in flight: at most (async_level + 1) batches of prompts not yet trained or dropped.
+
+Work dispatched at policy version v carries min_policy_version=v, so no replica generates it with older
+weights; with async_level=0 that makes every trained sample exactly on-policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbus.config import RlbusConfig
+from rlbus.learner.data import PromptLoader
+from rlbus.messages import PromptWork, SamplingParams
+
+
+@dataclass
+class Ledger:
+    """Every prompt the learner dispatched, and what became of it. The counts must always add up."""
+
+    dispatched: dict[str, int] = field(default_factory=dict)  # prompt id -> data index
+    trained: dict[str, int] = field(default_factory=dict)  # prompt id -> step it was trained in
+    dropped: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
+    duplicates: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.dispatched) - len(self.trained) - len(self.dropped)
+
+    def is_settled(self, prompt_id: str) -> bool:
+        return prompt_id in self.trained or prompt_id in self.dropped
+
+    def dropped_count(self, reason: str) -> int:
+        return sum(1 for r in self.dropped.values() if r == reason)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"dispatched": self.dispatched, "trained": self.trained, "dropped": self.dropped,
+                                   "duplicates": self.duplicates}))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Ledger:
+        raw = json.loads(path.read_text())
+        return cls(raw["dispatched"], raw["trained"], raw["dropped"], raw.get("duplicates", 0))
+
+
+class Dispatcher:
+    def __init__(self, cfg: RlbusConfig, loader: PromptLoader, tokenizer, bus, ledger: Ledger) -> None:
+        self.cfg = cfg
+        self.loader = loader
+        self.tokenizer = tokenizer
+        self.bus = bus
+        self.ledger = ledger
+        r = cfg.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                       max_tokens=cfg.data.max_response_length, stop=list(r.stop))
+
+    @property
+    def target_in_flight(self) -> int:
+        return (self.cfg.trainer.async_level + 1) * self.cfg.data.train_batch_size
+
+    async def top_up(self, version: int, step: int, buffered: int, limit: int | None = None) -> int:
+        """Dispatches until in-flight (incl. received but untrained) work reaches the target."""
+        from rlbus.bus import Stage
+
+        sent = 0
+        while self.ledger.in_flight < self.target_in_flight and (limit is None or sent < limit):
+            item = self.loader.next()
+            prompt_ids = self.tokenizer(item.prompt, add_special_tokens=False)["input_ids"]
+            if len(prompt_ids) > self.cfg.data.max_prompt_length:
+                prompt_ids = prompt_ids[-self.cfg.data.max_prompt_length :]
+            prompt_id = f"{self.cfg.run.id}-p{item.index}"
+            seed = None if self.cfg.rollout.seed is None else self.cfg.rollout.seed * 1_000_003 + item.index
+            work = PromptWork(
+                run_id=self.cfg.run.id, prompt_id=prompt_id, index=item.index, step=step,
+                min_policy_version=version, prompt_ids=prompt_ids, prompt_text=item.prompt, meta=item.meta,
+                n=self.cfg.rollout.n, sampling=self.sampling.model_copy(update={"seed": seed}),
+            )
+            await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
+            self.ledger.dispatched[prompt_id] = item.index
+            sent += 1
+        return sent

@@ -1,0 +1,258 @@
+"""The learner: the driver of a run. Dispatch prompts, gather ready groups, update, push weights, repeat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from rlbus.config import RlbusConfig
+from rlbus.learner.dispatch import Dispatcher, Ledger
+from rlbus.messages import ReadyGroup, encode
+from rlbus.service import ServiceContext
+
+WAIT_LOG_EVERY_S = 10.0
+KEEPALIVE_EVERY_S = 10.0
+
+
+def write_frames(frames: list[bytes]) -> bytes:
+    return b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+
+
+def read_frames(data: bytes) -> list[bytes]:
+    out, i = [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i : i + 8], "little")
+        out.append(data[i + 8 : i + 8 + n])
+        i += 8 + n
+    return out
+
+
+class LearnerStalled(RuntimeError):
+    """No ready trajectories arrived for `trainer.batch_timeout_s`: says what it waited for."""
+
+
+def total_steps(cfg: RlbusConfig, dataset_size: int) -> int:
+    per_epoch = max(1, dataset_size // cfg.data.train_batch_size)
+    steps = cfg.trainer.total_epochs * per_epoch
+    if cfg.trainer.total_training_steps is not None:
+        steps = min(steps, cfg.trainer.total_training_steps)
+    return steps
+
+
+def batch_metrics(groups: list[ReadyGroup], version: int) -> dict[str, float]:
+    rewards = np.array([r for g in groups for r in g.scored.rewards], dtype=np.float64)
+    correct = np.array([c for g in groups for c in g.scored.correct], dtype=np.float64)
+    lengths = np.array([len(s.response_ids) for g in groups for s in g.scored.trajectories.samples])
+    lags = [version - g.scored.trajectories.policy_version for g in groups]
+    gen = [g.scored.trajectories.timings.get("generate_s", 0.0) for g in groups]
+    rew = [g.scored.trajectories.timings.get("reward_s", 0.0) for g in groups]
+    errors = sum(e is not None for g in groups for e in g.scored.reward_errors)
+    hist = Counter(lags)
+    out = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/accuracy": float(correct.mean()), "reward/errors": float(errors),
+        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/clip_frac": float(np.mean([s.finish_reason == "length" for g in groups
+                                             for s in g.scored.trajectories.samples])),
+        "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
+        "timing/generate_s_per_group": float(np.mean(gen)), "timing/reward_s_per_group": float(np.mean(rew)),
+    }
+    for lag, count in hist.items():
+        out[f"staleness/hist_{lag}"] = float(count)
+    return out
+
+
+class Learner:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.run_dir = ctx.run_dir
+        self.ledger = Ledger()
+        self.version = 0
+        self.held: list = []  # deliveries received for the current batch, not yet acked
+
+    async def setup(self) -> None:
+        from rlbus.learner.data import PromptLoader, load_split
+        from rlbus.learner.trainer import PolicyTrainer
+        from rlbus.learner.weight_push import WeightPusher
+        from rlbus.metrics_log import MetricsWriter
+        from rlbus.model_source import resolve_model_path
+        from rlbus.modeling import load_tokenizer, pick_device
+
+        cfg = self.cfg
+        import torch
+
+        torch.manual_seed(cfg.trainer.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        await self.ctx.bus.purge_run()  # a fresh run never trains on a previous run's leftovers
+        model_path = resolve_model_path(cfg.model.path)
+        self.tokenizer = load_tokenizer(model_path)
+        records = load_split(cfg.data, "train")
+        self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.total_steps = total_steps(cfg, len(records))
+        device = pick_device(cfg.trainer.device)
+        self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
+        self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
+        self.pusher = WeightPusher(self.ctx, "nccl" if device.type == "cuda" else "gloo")
+        self.writer = MetricsWriter(self.run_dir, cfg.trainer.logger, self.total_steps, cfg.trainer.project_name,
+                                    cfg.trainer.experiment_name)
+        from rlbus.bus import Stage
+
+        self.consumer = await self.ctx.bus.consumer(
+            Stage.READY, durable="learner", expected=ReadyGroup, ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
+            max_deliver=self.cfg.bus.max_deliver,
+        )
+        await self.ctx.state.set_policy_version(0)
+        self.ctx.status = "ready"
+
+    def _named_weights(self):
+        return self.trainer.named_weights()
+
+    async def _settle(self, delivery, reason: str | None, step: int | None = None) -> None:
+        group: ReadyGroup = delivery.message
+        pid = group.scored.trajectories.work.prompt_id
+        if reason is None:
+            self.ledger.trained[pid] = step if step is not None else self.version
+        else:
+            self.ledger.dropped[pid] = reason
+        await delivery.ack()
+
+    async def gather(self, step: int) -> list:
+        """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked."""
+        cfg = self.cfg
+        need = cfg.data.train_batch_size
+        batch: list = []
+        started = last_log = last_keepalive = last_progress = time.monotonic()
+        while len(batch) < need:
+            if self.ctx.stop.is_set():
+                raise asyncio.CancelledError
+            await self.dispatcher.top_up(self.version, step, len(batch))
+            deliveries = await self.consumer.fetch(batch=need - len(batch), timeout=1.0)
+            now = time.monotonic()
+            for d in deliveries:
+                group: ReadyGroup = d.message
+                pid = group.scored.trajectories.work.prompt_id
+                lag = self.version - group.scored.trajectories.policy_version
+                if pid not in self.ledger.dispatched or self.ledger.is_settled(pid) or \
+                        any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
+                    self.ledger.duplicates += 1  # a redelivery raced its ack, or another run's leftover
+                    await d.ack()
+                elif lag > cfg.trainer.async_level:
+                    await self._settle(d, "stale")
+                elif cfg.algorithm.dynamic_sampling and len(set(group.scored.rewards)) == 1:
+                    await self._settle(d, "zero_variance")
+                else:
+                    batch.append(d)
+                last_progress = now
+            if not deliveries:
+                await self.pusher.maintain(self._named_weights, self.version)
+            if now - last_keepalive > KEEPALIVE_EVERY_S:
+                for d in batch:
+                    await d.in_progress()
+                last_keepalive = now
+            if now - last_log > WAIT_LOG_EVERY_S:
+                replicas = await self.pusher.live_replicas()
+                self.ctx.log.info("waiting for ready trajectories", step=step, have=len(batch), need=need,
+                                  in_flight=self.ledger.in_flight, replicas=sorted(replicas),
+                                  waited_s=round(now - started))
+                last_log = now
+            if now - last_progress > cfg.trainer.batch_timeout_s:
+                raise LearnerStalled(
+                    f"no ready trajectories for {cfg.trainer.batch_timeout_s:.0f}s at step {step} "
+                    f"(have {len(batch)}/{need}, {self.ledger.in_flight} prompts in flight); are the rollout "
+                    f"and reward services running? see `rlbus status`"
+                )
+        return batch
+
+    def _dump(self, step: int, groups: list[ReadyGroup], metrics: dict[str, float]) -> None:
+        """Test hook (trainer.dump_first_batch): step 0's batch, the weights after it, step 1's batch."""
+        from safetensors.torch import save_file
+
+        out = self.run_dir / "first_update"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"groups_step{step}.msgpack").write_bytes(write_frames([encode(g) for g in groups]))
+        if step == 0:
+            state = {k: v.detach().cpu().contiguous().clone() for k, v in self.trainer.model.state_dict().items()}
+            save_file(state, str(out / "weights.safetensors"))
+            (out / "metrics.json").write_text(json.dumps(metrics))
+
+    async def run(self) -> int:
+        from rlbus.learner.batch import collate
+
+        cfg = self.cfg
+        pad_id = int(self.tokenizer.pad_token_id)
+        ledger_path = self.run_dir / "ledger.json"
+        tokens_total, t_run = 0, time.perf_counter()
+        for step in range(self.total_steps):
+            t_step = time.perf_counter()
+            deliveries = await self.gather(step)
+            t_gathered = time.perf_counter()
+            groups = [d.message for d in deliveries]
+            batch = collate(groups, pad_id)
+            metrics = batch_metrics(groups, self.version)
+            metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
+            t_trained = time.perf_counter()
+            if step <= 1 and cfg.trainer.dump_first_batch:
+                self._dump(step, groups, metrics)
+            self.version += 1
+            for d in deliveries:
+                await self._settle(d, None, step)
+            await self.pusher.push(self._named_weights, self.version)
+            await self.ctx.state.set_policy_version(self.version)
+            self.ctx.policy_version = self.version
+            t_pushed = time.perf_counter()
+            tokens = int(batch.response_mask.sum())
+            tokens_total += tokens
+            metrics.update({
+                "timing/wait_batch_s": t_gathered - t_step, "timing/train_s": t_trained - t_gathered,
+                "timing/weight_push_s": t_pushed - t_trained, "timing/step_s": t_pushed - t_step,
+                "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
+                "perf/step_tokens": float(tokens), "policy/version": float(self.version),
+                "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
+                "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
+                "bus/dead_letters": float(getattr(self.consumer, "dead_letters", 0)),
+                "weights/push_failures": float(self.pusher.failures),
+                "prompts/dispatched": float(len(self.ledger.dispatched)),
+                "prompts/trained": float(len(self.ledger.trained)),
+            })
+            self.writer.log(step + 1, metrics)
+            self.ledger.save(ledger_path)
+        await self.drain()
+        self.ledger.save(ledger_path)
+        self.writer.close()
+        self.pusher.close()
+        return 0
+
+    async def drain(self, timeout_s: float = 60.0) -> None:
+        """After the last step: collect what is still in flight and record it as dropped ('run_finished')."""
+        deadline = time.monotonic() + timeout_s
+        while self.ledger.in_flight > 0 and time.monotonic() < deadline:
+            for d in await self.consumer.fetch(batch=64, timeout=1.0):
+                pid = d.message.scored.trajectories.work.prompt_id
+                if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
+                    await self._settle(d, "run_finished")
+                else:
+                    await d.ack()
+        for pid in self.ledger.dispatched:
+            if not self.ledger.is_settled(pid):
+                self.ledger.dropped[pid] = "run_finished_in_flight"
+        self.ctx.log.info("run finished", trained=len(self.ledger.trained), dropped=len(self.ledger.dropped),
+                          dispatched=len(self.ledger.dispatched), duplicates=self.ledger.duplicates)
+
+
+async def learner_loop(ctx: ServiceContext) -> int:
+    learner = Learner(ctx)
+    await learner.setup()
+    try:
+        return await learner.run()
+    except LearnerStalled as exc:
+        ctx.log.error("learner stalled", reason=str(exc))
+        return 3
+    except asyncio.CancelledError:
+        ctx.log.info("learner stopped before the end", step=learner.version)
+        learner.ledger.save(Path(learner.run_dir) / "ledger.json")
+        return 130

@@ -1,0 +1,191 @@
+"""One policy update from a TrainBatch: advantages, clipped PG loss with TIS, optional KL and entropy terms.
+
+The math lives in rlbus.learner.algorithms; this module only decides which pieces a config asks for and
+runs them over mini-/micro-batches with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from rlbus.config import RlbusConfig
+from rlbus.learner.algorithms.advantages import compute_advantages
+from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
+from rlbus.learner.algorithms.policy_loss import (
+    aggregate_loss,
+    gspo_loss,
+    ppo_clip_loss,
+    truncated_is_weights,
+)
+from rlbus.learner.batch import TrainBatch
+from rlbus.modeling import load_causal_lm, token_logprobs
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warmup, then constant or cosine decay to `min_ratio` of the base lr."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: RlbusConfig, model_path: Path, device: torch.device, total_steps: int) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.model = load_causal_lm(model_path, cfg.model.dtype, device, trainable=True)
+        if cfg.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        optim = cfg.actor.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_lambda(s, optim.lr_warmup_steps, total_steps, optim.lr_scheduler, optim.min_lr_ratio),
+        )
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the weight push sends: the full state dict, in a stable order."""
+        yield from self.model.state_dict().items()
+
+    def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = token_logprobs(
+            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
+            mb.position_ids.to(self.device), mb.temperature, return_entropy=entropy,
+        )
+        return out if entropy else (out, None)
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, batch: TrainBatch, micro: int) -> torch.Tensor:
+        chunks = [self._forward(batch.select(range(i, min(i + micro, batch.size))), False)[0].cpu()
+                  for i in range(0, batch.size, micro)]
+        return torch.cat(chunks)
+
+    def _minibatches(self, batch: TrainBatch) -> list[list[int]]:
+        """Mini-batches hold whole groups: `ppo_mini_batch_size` prompts (0 = everything in one)."""
+        groups = batch.group_ids.tolist()
+        order = sorted(set(groups))
+        per = self.cfg.actor.ppo_mini_batch_size or len(order)
+        out = []
+        for i in range(0, len(order), per):
+            chosen = set(order[i : i + per])
+            out.append([j for j, g in enumerate(groups) if g in chosen])
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        actor, algo = self.cfg.actor, self.cfg.algorithm
+        mask = batch.response_mask
+        minibatches = self._minibatches(batch)
+        needs_old_pass = actor.ppo_epochs * len(minibatches) > 1 or algo.use_kl_in_reward
+        self.model.train()
+        old_logprobs = self._logprobs_no_grad(batch, actor.ppo_micro_batch_size) if needs_old_pass else None
+
+        rewards = batch.rewards
+        kl_in_reward = None
+        if algo.use_kl_in_reward and batch.ref_logprobs is not None and old_logprobs is not None:
+            kl_in_reward = kl_estimate(old_logprobs, batch.ref_logprobs, algo.kl_penalty) * mask
+        token_rewards = None
+        if algo.adv_estimator in ("reinforce_plus_plus", "gae") or kl_in_reward is not None:
+            from rlbus.learner.algorithms.advantages import sequence_to_token_rewards
+
+            token_rewards = sequence_to_token_rewards(rewards, mask, kl_in_reward, self.kl_ctrl.value)
+        estimator = "dr_grpo" if algo.adv_estimator == "dr_grpo" else algo.adv_estimator
+        advantages, _ = compute_advantages(
+            estimator, response_mask=mask, rewards=None if token_rewards is not None else rewards,
+            group_ids=batch.group_ids, token_rewards=token_rewards, gamma=algo.gamma, lam=algo.lam,
+            norm_by_std=algo.norm_adv_by_std_in_grpo,
+        )
+
+        clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+        clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+        token_stats = _WeightedMeans()  # token-weighted means of per-token diagnostics
+        loss_sums: dict[str, float] = {}  # per mini-batch losses, summed over mini-batches
+        grad_norms: list[float] = []
+        agg = dict(norm_length=self.cfg.data.max_response_length)
+        for _epoch in range(actor.ppo_epochs):
+            for mb_idx in minibatches:
+                mini = batch.select(mb_idx)
+                mini_adv = advantages[mb_idx]
+                mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
+                agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0)
+                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(min=1.0)
+                self.optimizer.zero_grad(set_to_none=True)
+                for start in range(0, mini.size, actor.ppo_micro_batch_size):
+                    idx = list(range(start, min(start + actor.ppo_micro_batch_size, mini.size)))
+                    mb = mini.select(idx)
+                    m = mb.response_mask.to(self.device)
+                    logprobs, entropy = self._forward(mb, entropy=True)
+                    old = mini_old[idx].to(self.device) if mini_old is not None else logprobs.detach()
+                    behaviour = mb.behaviour_logprobs.to(self.device)
+                    is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
+                    adv = mini_adv[idx].to(self.device)
+                    if actor.policy_loss == "gspo":
+                        pg_loss, stats = gspo_loss(logprobs, old, adv, m, clip_low, clip_high,
+                                                   actor.loss_agg_mode, is_w, **agg)
+                    else:
+                        dual = actor.clip_ratio_c if actor.policy_loss == "dual_clip" else None
+                        pg_loss, stats = ppo_clip_loss(logprobs, old, adv, m, clip_low, clip_high, dual,
+                                                       actor.loss_agg_mode, is_w, **agg)
+                    loss = pg_loss
+                    if actor.entropy_coeff:
+                        loss = loss - actor.entropy_coeff * aggregate_loss(entropy, m, actor.loss_agg_mode, **agg)
+                    if mb.ref_logprobs is not None:
+                        kl_tok = kl_estimate(logprobs, mb.ref_logprobs.to(self.device), actor.kl_loss_type)
+                        if actor.use_kl_loss:
+                            loss = loss + actor.kl_loss_coef * aggregate_loss(kl_tok, m, actor.loss_agg_mode, **agg)
+                        token_stats.add("actor/kl", kl_tok.detach(), m)
+                    loss.backward()
+                    _add(loss_sums, "actor/pg_loss", pg_loss.item())
+                    _add(loss_sums, "actor/loss", loss.item())
+                    ntok = float(m.sum())
+                    for k, v in stats.items():
+                        token_stats.add_scalar(f"actor/{k}", float(v), ntok)
+                    token_stats.add("actor/entropy", entropy.detach(), m)
+                    token_stats.add("actor/is_weight_mean", is_w, m)
+                    token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.optim.grad_clip)
+                grad_norms.append(float(grad_norm))
+                if math.isfinite(float(grad_norm)):
+                    self.optimizer.step()
+        self.scheduler.step()
+        n_updates = actor.ppo_epochs * len(minibatches)
+        metrics = {k: v / n_updates for k, v in loss_sums.items()}
+        metrics.update(token_stats.means())
+        if "actor/kl" in metrics:
+            self.kl_ctrl.update(metrics["actor/kl"], batch.size)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
+        metrics["actor/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0))
+        return metrics
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
+
+
+class _WeightedMeans:
+    """Token-weighted running means, so micro-batch sizes do not skew reported diagnostics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, key: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        self.add_scalar(key, float((values * mask).sum() / mask.sum().clamp(min=1.0)), float(mask.sum()))
+
+    def add_scalar(self, key: str, mean: float, weight: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + mean * weight
+        self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}

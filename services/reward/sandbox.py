@@ -1,0 +1,75 @@
+"""Runs user reward code in a child process with a time and memory limit, so it can never take us down."""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import resource
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+
+def resolve_callable(spec: str) -> Any:
+    """'pkg.module:function' -> the function. Raises ValueError with the spec when it does not resolve."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} must look like 'pkg.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import reward function {spec!r}: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def _limit_memory(memory_mb: int) -> None:
+    limit = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _call(spec: str, args: tuple[Any, ...]) -> Any:
+    return resolve_callable(spec)(*args)
+
+
+class SandboxTimeout(TimeoutError):
+    pass
+
+
+class Sandbox:
+    """One worker process; a call that times out or crashes the worker gets a fresh worker next time."""
+
+    def __init__(self, spec: str, timeout_s: float, memory_mb: int) -> None:
+        self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _ensure(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=mp.get_context("spawn"), initializer=_limit_memory,
+                initargs=(self.memory_mb,),
+            )
+        return self._pool
+
+    def _reset(self) -> None:
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.kill()  # our own worker, by its handle
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def call(self, *args: Any) -> Any:
+        future = self._ensure().submit(_call, self.spec, args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._reset()
+            raise SandboxTimeout(f"reward function exceeded {self.timeout_s}s") from None
+        except BrokenProcessPool as exc:
+            self._reset()
+            raise RuntimeError(f"reward worker died (memory limit {self.memory_mb} MB?): {exc}") from exc
+
+    def close(self) -> None:
+        self._reset()

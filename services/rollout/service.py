@@ -1,0 +1,143 @@
+"""The rollout loop: pull prompt work, wait until our weights are new enough, generate, publish, ack.
+
+Weight pushes arrive on a second task and are applied between generation batches (one lock guards
+the engine), so a replica never generates with half-swapped weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rlbus.config import RlbusConfig
+from rlbus.messages import PromptWork, Sample, TrajectoryGroup, WeightAnnouncement, decode
+from rlbus.service import ServiceContext, run_service
+
+IN_PROGRESS_EVERY_S = 5.0
+
+
+class Replica:
+    def __init__(self, ctx: ServiceContext, engine) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.lock = asyncio.Lock()
+        self.version = 0  # the model on disk is policy version 0
+        self.version_changed = asyncio.Condition()
+        self.last_announcement: tuple[int, int] | None = None  # (epoch, version) last taken part in
+
+    async def _set_version(self, version: int) -> None:
+        async with self.version_changed:
+            self.version = version
+            self.ctx.policy_version = version
+            self.version_changed.notify_all()
+
+    async def wait_for_version(self, needed: int, timeout_s: float, deliveries: list) -> bool:
+        """Waits until our weights are at least `needed`, keeping the held work alive meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while self.version < needed:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.ctx.stop.is_set():
+                return False
+            self.ctx.log.info("waiting for weights", have=self.version, need=needed)
+            async with self.version_changed:
+                try:
+                    await asyncio.wait_for(self.version_changed.wait(), timeout=min(left, IN_PROGRESS_EVERY_S))
+                except TimeoutError:
+                    pass
+            for d in deliveries:
+                await d.in_progress()
+        return True
+
+    async def weight_loop(self) -> None:
+        """Takes part in every broadcast the learner announces with us as a member."""
+        replica_id = self.ctx.instance_id
+        timeout = self.ctx.cfg.trainer.weight_push_timeout_s
+        async for raw in self.ctx.state.watch_announcements():
+            if self.ctx.stop.is_set():
+                return
+            try:
+                ann = decode(raw, WeightAnnouncement)
+            except Exception as exc:
+                self.ctx.log.error("bad weight announcement", error=str(exc))
+                continue
+            key = (ann.epoch, ann.version)
+            if replica_id not in ann.ranks or key == self.last_announcement:
+                continue
+            self.last_announcement = key
+            t0 = time.perf_counter()
+            try:
+                async with self.lock:
+                    await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
+            except Exception as exc:  # the learner notices too, and re-forms the group
+                self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc))
+                continue
+            self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
+            await self._set_version(ann.version)
+            self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch,
+                              seconds=round(self.ctx.stats["weight_recv_s"], 3))
+
+    async def generate(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup], int]:
+        from rlbus.rollout.engines.base import GenerationRequest
+
+        requests = [GenerationRequest(prompt_ids=list(w.prompt_ids), n=w.n, sampling=w.sampling) for w in works]
+        async with self.lock:
+            version = self.version
+            t0 = time.perf_counter()
+            results = await asyncio.to_thread(self.engine.generate, requests)
+            elapsed = time.perf_counter() - t0
+        groups, tokens = [], 0
+        for work, completions in zip(works, results, strict=True):
+            samples = [Sample(response_ids=c.response_ids, logprobs=c.logprobs, text=c.text,
+                              finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "stop")
+                       for c in completions]
+            tokens += sum(len(s.response_ids) for s in samples)
+            groups.append(TrajectoryGroup(work=work, samples=samples, policy_version=version,
+                                          replica_id=self.ctx.instance_id, engine=self.engine.name,
+                                          timings={"generate_s": elapsed / len(works), "generated_at": time.time()}))
+        self.ctx.stats["tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
+        return groups, tokens
+
+
+async def rollout_loop(ctx: ServiceContext) -> int:
+    from rlbus.bus import Stage
+    from rlbus.model_source import resolve_model_path
+    from rlbus.rollout.engines.factory import build_engine
+
+    cfg = ctx.cfg
+    engine = await asyncio.to_thread(build_engine, cfg, resolve_model_path(cfg.model.path))
+    replica = Replica(ctx, engine)
+    ctx.stats.update(weight_ranks=float(engine.weight_ranks), groups=0, tokens=0)
+    weights = asyncio.create_task(replica.weight_loop())
+    consumer = await ctx.bus.consumer(Stage.PROMPTS, durable="rollout", expected=PromptWork,
+                                      ack_wait_s=cfg.bus.ack_wait_s, max_deliver=cfg.bus.max_deliver)
+    ctx.status = "ready"
+    ctx.log.info("rollout ready", engine=engine.name)
+    try:
+        while not ctx.stop.is_set():
+            if weights.done():
+                exc = weights.exception()
+                ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
+                weights = asyncio.create_task(replica.weight_loop())
+            deliveries = await consumer.fetch(batch=cfg.rollout.prompts_per_batch, timeout=1.0)
+            if not deliveries:
+                continue
+            needed = max(d.message.min_policy_version for d in deliveries)
+            if not await replica.wait_for_version(needed, cfg.rollout.weight_wait_timeout_s, deliveries):
+                ctx.log.warning("weights too old for this work; handing it back", have=replica.version, need=needed)
+                for d in deliveries:
+                    await d.nak(delay=1.0)
+                continue
+            groups, tokens = await replica.generate([d.message for d in deliveries])
+            for d, group in zip(deliveries, groups, strict=True):
+                await ctx.bus.publish(Stage.TRAJECTORIES, group, msg_id=f"{group.work.prompt_id}:traj")
+                await d.ack()
+            ctx.stats["groups"] += len(groups)
+            ctx.stats["tokens"] += tokens
+    finally:
+        weights.cancel()
+        await asyncio.to_thread(engine.close)
+    return 0
+
+
+def run_rollout(cfg: RlbusConfig, replica_id: str | None = None) -> int:
+    return asyncio.run(run_service(cfg, "rollout", replica_id, rollout_loop))

@@ -1,0 +1,143 @@
+"""`rlbus up`: NATS (found or started), then every service as its own OS process, with a live progress line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlbus.config import RlbusConfig, save_config
+from rlbus.logs import get_logger, setup_logging
+from rlbus.metrics_log import progress_line, read_metrics
+
+log = get_logger("launcher")
+
+
+def run_dir_of(cfg: RlbusConfig) -> Path:
+    return Path(cfg.run.dir) / cfg.run.id
+
+
+@dataclass
+class ServiceProcess:
+    """One service started as `python -m rlbus.cli <service> --config FILE`, logging to its own file."""
+
+    name: str
+    service: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlbus.cli", self.service, *self.args], stdout=out, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+        out.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (graceful: finish the current item, leave the rest on the bus), then SIGKILL."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def service_processes(cfg: RlbusConfig, config_path: Path, run_dir: Path) -> list[ServiceProcess]:
+    """Consumers first (reward, ref, rollout replicas), the learner last: it starts dispatching at once."""
+    base = ["--config", str(config_path)]
+    logs = run_dir / "logs"
+    procs = [ServiceProcess("reward", "reward", [*base, "--instance-id", "reward-0"], logs / "reward.log")]
+    if cfg.needs_ref:
+        procs.append(ServiceProcess("ref", "ref", [*base, "--instance-id", "ref-0"], logs / "ref.log"))
+    for i in range(cfg.rollout.replicas):
+        rid = f"rollout-{i}"
+        procs.append(ServiceProcess(rid, "rollout", [*base, "--replica-id", rid], logs / f"{rid}.log"))
+    procs.append(ServiceProcess("learner", "learner", base, logs / "learner.log"))
+    return procs
+
+
+def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, object | None]:
+    """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any."""
+    from rlbus.bus import resolve_bus_url
+
+    run_dir = run_dir_of(cfg)
+    if fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    url, server = resolve_bus_url(cfg.bus, run_dir)
+    resolved = cfg.model_copy(deep=True)
+    resolved.bus.url = url
+    if fresh:
+        resolved.trainer.resume_mode = "disable"
+    config_path = save_config(resolved, run_dir / "config.yaml")
+    return run_dir, config_path, server
+
+
+def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
+    setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
+    run_dir, config_path, server = prepare_run(cfg, fresh)
+    procs = service_processes(cfg, config_path, run_dir)
+    stopping = False
+
+    def _stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old_int = signal.signal(signal.SIGINT, _stop)
+    old_term = signal.signal(signal.SIGTERM, _stop)
+    print(f"rlbus: run {cfg.run.id} in {run_dir} (logs in {run_dir / 'logs'})", flush=True)
+    learner = procs[-1]
+    shown = 0
+    try:
+        for p in procs:
+            p.start()
+        while not stopping and learner.alive:
+            time.sleep(1.0)
+            rows = read_metrics(run_dir)
+            for row in rows[shown:]:
+                print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
+            shown = len(rows)
+            for p in procs[:-1]:
+                if not p.alive and p.proc is not None and p.proc.returncode not in (0, None):
+                    log.warning("service exited; restarting it", service=p.name, rc=p.proc.returncode,
+                                log=str(p.log_path))
+                    p.start()
+        rc = learner.proc.returncode if learner.proc and learner.proc.poll() is not None else 130
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if server is not None:
+            server.stop()
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+    rows = read_metrics(run_dir)
+    for row in rows[shown:]:
+        print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
+    if rc not in (0, None):
+        print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
+    return int(rc or 0)

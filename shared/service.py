@@ -1,0 +1,131 @@
+"""What every service process shares: bus connection, heartbeats, health endpoint, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlbus.config import RlbusConfig
+from rlbus.logs import get_logger, setup_logging
+from rlbus.messages import Heartbeat
+
+HEARTBEAT_INTERVAL_S = 2.0
+
+
+@dataclass
+class ServiceContext:
+    cfg: RlbusConfig
+    service: str
+    instance_id: str
+    bus: Any  # rlbus.bus.Bus
+    state: Any  # rlbus.bus.RunState
+    stop: asyncio.Event
+    log: Any
+    stats: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0
+    status: str = "starting"
+    health: Any = None
+    metrics: Any = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.dir) / self.cfg.run.id
+
+    async def sleep_or_stop(self, seconds: float) -> bool:
+        """Sleeps, waking early on stop; returns True when the service should stop."""
+        try:
+            await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            run_id=self.cfg.run.id, service=self.service, instance_id=self.instance_id,
+            policy_version=self.policy_version, time=time.time(), status=self.status,
+            stats=dict(self.stats), host=socket.gethostname(),
+        )
+
+
+def default_instance_id(service: str) -> str:
+    return f"{service}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+async def _heartbeat_loop(ctx: ServiceContext) -> None:
+    while not ctx.stop.is_set():
+        try:
+            await ctx.state.heartbeat(ctx.heartbeat())
+        except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves
+            ctx.log.warning("heartbeat failed", error=str(exc))
+        if await ctx.sleep_or_stop(HEARTBEAT_INTERVAL_S):
+            break
+
+
+async def run_service(
+    cfg: RlbusConfig, service: str, instance_id: str | None, body: Callable[[ServiceContext], Awaitable[int]]
+) -> int:
+    """Connects, starts heartbeats and health, runs `body` until it returns or SIGTERM/SIGINT arrives."""
+    from rlbus.bus import Bus, resolve_bus_url
+
+    instance_id = instance_id or default_instance_id(service)
+    setup_logging(cfg.logging.level, cfg.logging.json_logs, service=instance_id)
+    log = get_logger(service)
+    run_dir = Path(cfg.run.dir) / cfg.run.id
+    url, server = resolve_bus_url(cfg.bus, run_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    health = metrics = None
+    if cfg.run.health_port:
+        from rlbus.health import HealthServer
+
+        health = HealthServer(cfg.run.health_port, service)
+        await _maybe_await(health.start())
+        metrics = getattr(health, "metrics", None)
+
+    bus = await Bus.open(cfg, url, name=instance_id)
+    try:
+        state = await bus.state()
+        ctx = ServiceContext(cfg=cfg, service=service, instance_id=instance_id, bus=bus, state=state, stop=stop,
+                             log=log, health=health, metrics=metrics)
+        hb = asyncio.create_task(_heartbeat_loop(ctx))
+        from rlbus.bus import redact_url
+
+        log.info("service started", bus=redact_url(url), run=cfg.run.id)
+        try:
+            rc = await body(ctx)
+        finally:
+            stop.set()
+            hb.cancel()
+            try:
+                await state.remove(service, instance_id)
+            except Exception:  # best effort: an expired heartbeat ages out anyway
+                pass
+        log.info("service stopped", rc=rc)
+        return rc
+    finally:
+        await bus.close()
+        if health is not None:
+            await _maybe_await(health.stop())
+        if server is not None:
+            server.stop()
+
+
+async def _maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value):
+        return await value
+    return value
+
+
+def run_sync(coro_factory: Callable[[], Awaitable[int]]) -> int:
+    return asyncio.run(coro_factory())

@@ -1,0 +1,78 @@
+"""Starts a real run as separate OS processes (the same way `rlbus up` does) and reads back its results."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rlbus.config import RlbusConfig, load_config, save_config
+from rlbus.launcher import ServiceProcess, service_processes
+from rlbus.metrics_log import read_metrics
+
+FAST = [
+    "trainer.logger=[jsonl]", "bus.ack_wait_s=8", "trainer.replica_timeout_s=8", "trainer.weight_push_timeout_s=30",
+    "trainer.batch_timeout_s=120", "logging.level=info",
+]
+
+
+def make_config(nats_url: str, run_id: str, tmp_path: Path, overrides: list[str]) -> RlbusConfig:
+    return load_config(None, [f"bus.url={nats_url}", f"run.id={run_id}", f"run.dir={tmp_path / 'runs'}", *FAST,
+                              *overrides])
+
+
+class Run:
+    def __init__(self, cfg: RlbusConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir) / cfg.run.id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = save_config(cfg, self.run_dir / "config.yaml")
+        self.procs: list[ServiceProcess] = service_processes(cfg, self.config_path, self.run_dir)
+        for p in self.procs:
+            p.env.setdefault("OMP_NUM_THREADS", "1")
+
+    def __enter__(self) -> Run:
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self.procs):
+            p.stop(timeout=10)
+
+    def proc(self, name: str) -> ServiceProcess:
+        return next(p for p in self.procs if p.name == name)
+
+    @property
+    def learner(self) -> ServiceProcess:
+        return self.proc("learner")
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.run_dir)
+
+    def wait_for_step(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rows = self.metrics()
+            if rows and rows[-1]["step"] >= step:
+                return
+            if not self.learner.alive:
+                raise AssertionError(f"learner exited early:\n{self.logs('learner')}")
+            time.sleep(0.5)
+        raise AssertionError(f"step {step} not reached in {timeout_s}s:\n{self.logs('learner')}")
+
+    def wait_learner(self, timeout_s: float) -> int:
+        assert self.learner.proc is not None
+        try:
+            rc = self.learner.proc.wait(timeout_s)
+        except Exception as exc:
+            raise AssertionError(f"learner did not finish in {timeout_s}s:\n{self.logs('learner')}") from exc
+        return rc
+
+    def logs(self, name: str, tail: int = 60) -> str:
+        path = self.proc(name).log_path
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(lines[-tail:])
+
+    def ledger(self) -> dict:
+        return json.loads((self.run_dir / "ledger.json").read_text())
