@@ -1,0 +1,330 @@
+"""The embedded engine: plain transformers `generate` with a KV cache, no extra install, CPU or one GPU.
+
+Behaviour log-probs come from generate's raw logits (log_softmax(logits / T) at the sampled token, in
+float32), which is exactly what `rlbus.modeling.response_logprobs` recomputes on the same tokens: the
+left-padded prompts here and the right-padded recompute both take position ids from the attention mask.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from rlbus.messages import SamplingParams, WeightAnnouncement
+from rlbus.modeling import (
+    effective_temperature,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    response_logprobs,
+)
+from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+if TYPE_CHECKING:
+    from rlbus.config import RlbusConfig
+
+
+def _stop_window(stops: Iterable[str]) -> int:
+    """Tokens to decode at the tail to see any stop string: a char can take up to 4 byte-level tokens."""
+    return 4 * max((len(s) for s in stops), default=0) + 2
+
+
+def _tail_has_stop(tokenizer: Any, tail: list[int], stops: list[str]) -> bool:
+    text = tokenizer.decode(tail, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return any(s in text for s in stops)
+
+
+class _StopOnStrings(StoppingCriteria):
+    """Stops a row once its recently generated tokens contain a stop string.
+
+    Our own criterion (not generate's `stop_strings`) so that stopping and the post-hoc cut in
+    `_cut` apply the very same test, on the very same window, and can never disagree.
+    """
+
+    def __init__(self, tokenizer: Any, stops: list[str], prompt_width: int) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.prompt_width = prompt_width
+        self.window = _stop_window(stops)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        gen = input_ids[:, self.prompt_width :]
+        tails = gen[:, -self.window :].tolist()
+        done = [_tail_has_stop(self.tokenizer, t, self.stops) for t in tails]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class HFEngine(RolloutEngine):
+    """One transformers model in this process; weight pushes are copied straight into its parameters."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "float32",
+        device: str = "auto",
+        seed: int = 0,
+        attn_implementation: str = "sdpa",
+        max_batch_rows: int = 256,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.device = pick_device(device)
+        self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=trust_remote_code)
+        self.model = load_causal_lm(
+            self.model_path,
+            dtype=dtype,
+            device=self.device,
+            trainable=False,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.eos_ids = self._eos_ids()
+        # A checkpoint's generation_config.json (repetition_penalty, top_k=20, ...) would change what is
+        # sampled behind our back and break the log-prob convention: start from a clean one.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            bos_token_id=self.tokenizer.bos_token_id,
+        )
+        self.seed = int(seed)
+        self.max_batch_rows = max(1, int(max_batch_rows))
+        self.policy_version = 0
+        self._calls = 0
+        self._lock = threading.Lock()  # generate and a weight swap never overlap
+        self._receiver: Any = None  # rlbus.weight_sync.WeightReceiver, made on the first push
+
+    @classmethod
+    def from_config(cls, cfg: RlbusConfig, model_path: str | Path) -> HFEngine:
+        return cls(
+            model_path,
+            dtype=cfg.model.dtype,
+            device=cfg.rollout.device,
+            seed=cfg.rollout.seed,
+            max_batch_rows=cfg.rollout.max_num_seqs,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update(int(i) for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+        if not ids:
+            raise ValueError(f"model at {self.model_path} defines no eos token; generation could never stop")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Batches requests with equal sampling params; a seeded request runs alone so its seed alone decides it."""
+        results: list[list[Completion] | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            sp = req.sampling
+            key = (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, tuple(sp.stop))
+            if sp.seed is not None:
+                key = (*key, "seed", sp.seed, i)
+            groups.setdefault(key, []).append(i)
+        with self._lock:
+            for idxs in groups.values():
+                sampling = requests[idxs[0]].sampling
+                rows = [(i, requests[i].prompt_ids) for i in idxs for _ in range(requests[i].n)]
+                done: list[Completion] = []
+                for start in range(0, len(rows), self.max_batch_rows):
+                    chunk = rows[start : start + self.max_batch_rows]
+                    if sampling.seed is not None:
+                        seed = sampling.seed + start  # chunks of one seeded request still differ
+                    else:
+                        seed = self.seed * 1_000_003 + self._calls
+                        self._calls += 1
+                    done.extend(self._generate_rows([p for _, p in chunk], sampling, seed))
+                for (i, _), comp in zip(rows, done, strict=True):
+                    if results[i] is None:
+                        results[i] = []
+                    results[i].append(comp)
+        return [r if r is not None else [] for r in results]
+
+    def _generation_config(self, sp: SamplingParams) -> GenerationConfig:
+        # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
+        # Greedy leaves them out (generate warns about them and ignores them without sampling).
+        knobs: dict[str, Any] = {"do_sample": False}
+        if sp.temperature > 0:
+            knobs = {
+                "do_sample": True,
+                "temperature": float(sp.temperature),
+                "top_p": float(sp.top_p),
+                "top_k": int(sp.top_k) if sp.top_k > 0 else 0,
+                "min_p": None,
+                "typical_p": 1.0,
+                "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0,
+            }
+        return GenerationConfig(
+            **knobs,
+            max_new_tokens=sp.max_tokens,
+            min_new_tokens=0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            num_beams=1,
+            num_return_sequences=1,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def _generate_rows(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Completion]:
+        if sp.max_tokens <= 0:
+            return [Completion([], np.zeros(0, np.float32), "", "length") for _ in prompts]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: generation needs at least one context token")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):  # LEFT padding: every row's next token is at the same column
+            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[b, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        stops = [s for s in sp.stop if s]
+        criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, stops, width)]) if stops else None
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=self._generation_config(sp),
+                stopping_criteria=criteria,
+            )
+        gen = out.sequences[:, width:]
+        temp = effective_temperature(sp.temperature)
+        steps = min(gen.shape[1], len(out.logits))
+        lp = torch.empty((gen.shape[0], steps), dtype=torch.float32, device=gen.device)
+        for t in range(steps):  # one step at a time: never a [B, T, V] float copy
+            logits = out.logits[t].float()
+            if temp != 1.0:
+                logits = logits / temp
+            lp[:, t] = torch.log_softmax(logits, dim=-1).gather(-1, gen[:, t : t + 1]).squeeze(-1)
+        gen_rows = gen[:, :steps].tolist()
+        lp_rows = lp.cpu().numpy()
+        return [self._cut(g, lp_rows[b], stops) for b, g in enumerate(gen_rows)]
+
+    def _cut(self, tokens: list[int], logprobs: np.ndarray, stops: list[str]) -> Completion:
+        """Keeps tokens up to and including the first EOS or the token that completes a stop string."""
+        window = _stop_window(stops)
+        end, reason, stop_by = len(tokens), "length", None
+        for t, tok in enumerate(tokens):
+            if tok in self.eos_ids:
+                end, reason, stop_by = t + 1, "stop", "eos"
+                break
+            if stops and _tail_has_stop(self.tokenizer, tokens[max(0, t + 1 - window) : t + 1], stops):
+                end, reason, stop_by = t + 1, "stop", "stop_string"
+                break
+        resp = tokens[:end]
+        text = self.tokenizer.decode(resp, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        extra = {"stop_by": stop_by} if stop_by else {}
+        return Completion(resp, np.asarray(logprobs[:end], dtype=np.float32), text, reason, extra)
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> np.ndarray:
+        with self._lock:
+            return response_logprobs(self.model, [prompt_ids], [response_ids], self.pad_id, temperature)[0]
+
+    # ------------------------------------------------------------------ weights
+
+    def expected_weight_names(self) -> tuple[set[str], dict[str, str]]:
+        """Names a push must carry, and the tied aliases (alias -> owner) it may carry or leave out."""
+        state = self.model.state_dict()
+        owners: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for name, tensor in state.items():
+            key = tensor.data_ptr()
+            if key in owners:
+                aliases[name] = owners[key]
+            else:
+                owners[key] = name
+        return set(owners.values()), aliases
+
+    def _check_and_map(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Strict load_state_dict semantics, checked before anything is copied (never a half swap)."""
+        state = self.model.state_dict()
+        required, aliases = self.expected_weight_names()
+        # A tied alias sent on its own stands for its owner (some senders keep lm_head, not embed_tokens).
+        names = set(received)
+        for alias, owner in aliases.items():
+            if alias in names and owner not in names:
+                received = {**received, owner: received[alias]}
+                names.add(owner)
+        missing = sorted(required - names)
+        unexpected = sorted(names - set(state))
+        problems = []
+        if missing:
+            problems.append(f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if unexpected:
+            problems.append(f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        for name in sorted(names & set(state)):
+            if tuple(received[name].shape) != tuple(state[name].shape):
+                problems.append(f"{name}: shape {tuple(received[name].shape)} != {tuple(state[name].shape)}")
+        for alias, owner in aliases.items():
+            if alias in received and owner in received and received[alias] is not received[owner]:
+                if not torch.equal(received[alias].to(received[owner].dtype), received[owner]):
+                    problems.append(f"tied {alias} differs from {owner}")
+        if problems:
+            raise ValueError("weight push does not match the model: " + "; ".join(problems))
+        return {name: received[name] for name in required}
+
+    def load_weights(self, received: dict[str, torch.Tensor], version: int) -> None:
+        """Copies a full, checked set of weights in place (also used by tests and local reloads)."""
+        mapped = self._check_and_map(received)
+        state = self.model.state_dict()
+        with self._lock, torch.no_grad():
+            for name, src in mapped.items():
+                state[name].copy_(src.to(device=state[name].device, dtype=state[name].dtype))
+            self.policy_version = int(version)
+
+    def receive_weights(self, announcement: WeightAnnouncement, rank: int, timeout_s: float) -> None:
+        """Joins (or reuses) the epoch's group, receives and verifies every tensor, then swaps them in.
+
+        Generation keeps running while the bytes arrive; only the final copy takes the lock. Any failure
+        (timeout, digest/checksum mismatch, a name or shape the model lacks) raises before a single
+        parameter changes.
+        """
+        from rlbus.weight_sync import WeightReceiver, metas_from_announcement
+
+        if self._receiver is None:
+            self._receiver = WeightReceiver(device=self.device)
+        # connect() is a no-op for the group already joined and closes an older epoch's group itself.
+        self._receiver.connect(
+            announcement.master_addr,
+            announcement.master_port,
+            rank,
+            announcement.world_size,
+            backend=announcement.backend,
+            epoch=announcement.epoch,
+            timeout_s=timeout_s,
+        )
+        received = self._receiver.receive(
+            metas_from_announcement(announcement), announcement.buckets, announcement.checksum
+        )
+        self.load_weights(received, announcement.version)
+
+    def _close_receiver(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+
+    def close(self) -> None:
+        self._close_receiver()
