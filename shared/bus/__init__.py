@@ -1,0 +1,30 @@
+"""The message bus: NATS connection, JetStream work queues per stage, dead letters, run state.
+
+Modules: `local_server` (a nats-server we start), `connect` (auth/TLS/reconnect), `subjects`
+(names), `transport` (Bus, Consumer, Delivery), `state` (RunState on KV).
+"""
+
+from rlbus.bus.connect import BusConnectError, connect, redact_url
+from rlbus.bus.local_server import LocalNatsError, LocalNatsServer, resolve_bus_url
+from rlbus.bus.state import RunState
+from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage
+from rlbus.bus.transport import Bus, BusError, Consumer, DeadLetter, Delivery, PublishResult
+
+__all__ = [
+    "STAGE_MESSAGE",
+    "Bus",
+    "BusConnectError",
+    "BusError",
+    "Consumer",
+    "DeadLetter",
+    "Delivery",
+    "LocalNatsError",
+    "LocalNatsServer",
+    "PublishResult",
+    "RunNames",
+    "RunState",
+    "Stage",
+    "connect",
+    "redact_url",
+    "resolve_bus_url",
+]

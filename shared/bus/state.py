@@ -1,0 +1,192 @@
+"""Small shared facts of a run on a JetStream KV bucket: policy version, weight announcements, heartbeats.
+
+KV (not a work queue) because every reader wants the latest value, and a replica that joins late
+must still find it. History 1: only the current value matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from rlbus import codec
+from rlbus.bus.connect import log
+from rlbus.bus.subjects import RunNames
+from rlbus.messages import Heartbeat, decode, encode
+
+POLICY_VERSION_KEY = "policy.version"
+ANNOUNCE_KEY = "weights.announce"
+HEARTBEAT_PREFIX = "hb"
+FACT_PREFIX = "fact"
+_SCAN_TIMEOUT_S = 5.0
+
+
+class RunState:
+    """Typed access to the run's KV bucket `rlbus_<run>_state`."""
+
+    def __init__(self, kv: KeyValue, names: RunNames) -> None:
+        self.kv = kv
+        self.names = names
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, names: RunNames, storage: str = "file") -> RunState:
+        """Bind to the bucket, creating it when missing."""
+        bucket = names.state_bucket
+        try:
+            kv = await js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            st = js_api.StorageType.FILE if storage == "file" else js_api.StorageType.MEMORY
+            try:
+                kv = await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, storage=st))
+            except BadRequestError:  # another service created it a moment ago with other settings
+                kv = await js.key_value(bucket)
+        return cls(kv, names)
+
+    async def _get(self, key: str) -> bytes | None:
+        entry = await self._entry(key)
+        return entry.value if entry is not None else None
+
+    # ------------------------------------------------------------ policy version
+
+    async def set_policy_version(self, version: int) -> int:
+        """Record the learner's current policy version; returns the KV revision."""
+        return await self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version)))
+
+    async def get_policy_version(self, default: int = 0) -> int:
+        raw = await self._get(POLICY_VERSION_KEY)
+        return int(codec.unpack(raw)) if raw else default
+
+    # ------------------------------------------------------------ weight announcements
+
+    async def put_announcement(self, data: bytes) -> int:
+        """Store an encoded WeightAnnouncement (bytes from rlbus.messages.encode)."""
+        return await self.kv.put(ANNOUNCE_KEY, data)
+
+    async def get_announcement(self) -> bytes | None:
+        return await self._get(ANNOUNCE_KEY)
+
+    async def watch_announcements(
+        self, include_current: bool = True, check_every_s: float = 1.0
+    ) -> AsyncIterator[bytes]:
+        """Yield each new announcement; first the current one when `include_current` (late joiners).
+
+        A KV watch is an ephemeral consumer and dies with a NATS restart, so whenever the watch is
+        quiet for `check_every_s` the current revision is read directly; if the watch missed it, the
+        value is yielded and the watch is made anew. Each revision is yielded at most once.
+        """
+        last_rev = 0
+        if not include_current:
+            current = await self._entry(ANNOUNCE_KEY)
+            last_rev = current.revision if current is not None and current.revision else 0
+        while True:
+            try:
+                watcher = await self.kv.watch(ANNOUNCE_KEY)
+            except Exception as exc:  # reconnecting: try again shortly
+                log.debug("bus.watch_retry", key=ANNOUNCE_KEY, error=str(exc))
+                await asyncio.sleep(check_every_s)
+                continue
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=check_every_s)
+                    except NatsTimeoutError:
+                        try:
+                            entry = await self._entry(ANNOUNCE_KEY)
+                        except Exception as exc:
+                            log.debug("bus.watch_check_failed", key=ANNOUNCE_KEY, error=str(exc))
+                            break  # make a new watch once the connection is back
+                        if entry is not None and (entry.revision or 0) > last_rev and entry.value:
+                            log.info("bus.watch_recovered", key=ANNOUNCE_KEY, revision=entry.revision)
+                            last_rev = entry.revision or last_rev
+                            yield entry.value
+                            break  # this watch is stale
+                        continue
+                    if entry is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                        continue
+                    if (entry.revision or 0) <= last_rev:
+                        continue
+                    last_rev = entry.revision or last_rev
+                    yield entry.value
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception as exc:  # connection already gone
+                    log.debug("bus.watch_stop", error=str(exc))
+
+    async def _entry(self, key: str) -> KeyValue.Entry | None:
+        try:
+            return await self.kv.get(key)
+        except (KeyNotFoundError, NotFoundError):
+            return None
+
+    # ------------------------------------------------------------ heartbeats
+
+    @staticmethod
+    def _hb_key(service: str, instance: str) -> str:
+        return f"{HEARTBEAT_PREFIX}.{service}.{instance}"
+
+    async def heartbeat(self, hb: Heartbeat) -> int:
+        """Publish a service instance's heartbeat under `hb.<service>.<instance>`."""
+        return await self.kv.put(self._hb_key(hb.service, hb.instance_id), encode(hb))
+
+    async def _scan(self, pattern: str) -> list[tuple[str, bytes]]:
+        """Current (key, value) pairs matching a KV key pattern."""
+        watcher = await self.kv.watch(pattern, ignore_deletes=True)
+        out: list[tuple[str, bytes]] = []
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=_SCAN_TIMEOUT_S)
+                except NatsTimeoutError:
+                    log.warning("bus.kv_scan_timeout", pattern=pattern)
+                    break
+                if entry is None:
+                    break
+                if entry.value and entry.operation not in (KV_DEL, KV_PURGE):
+                    out.append((entry.key, entry.value))
+        finally:
+            await watcher.stop()
+        return out
+
+    async def heartbeats(self, service: str) -> list[Heartbeat]:
+        """Every stored heartbeat of a service, however old; undecodable entries are skipped."""
+        beats = []
+        for key, value in await self._scan(f"{HEARTBEAT_PREFIX}.{service}.>"):
+            try:
+                hb = decode(value, Heartbeat)
+            except Exception as exc:  # one broken writer must not hide the others
+                log.warning("bus.bad_heartbeat", key=key, error=str(exc))
+                continue
+            beats.append(hb)  # type: ignore[arg-type]
+        return beats  # type: ignore[return-value]
+
+    async def live(self, service: str, max_age_s: float) -> list[Heartbeat]:
+        """Instances of `service` whose last heartbeat (by its own timestamp) is at most `max_age_s` old."""
+        cutoff = time.time() - max_age_s
+        beats = [hb for hb in await self.heartbeats(service) if hb.time >= cutoff]
+        return sorted(beats, key=lambda hb: hb.instance_id)
+
+    async def remove(self, service: str, instance: str) -> None:
+        """Forget an instance (clean shutdown, or a replica declared dead)."""
+        try:
+            await self.kv.purge(self._hb_key(service, instance))
+        except (KeyNotFoundError, NotFoundError):
+            pass
+
+    # ------------------------------------------------------------ generic facts
+
+    async def put_json(self, key: str, value: Any) -> int:
+        """Store a small JSON-able fact under `fact.<key>` (readable with `nats kv get`)."""
+        return await self.kv.put(f"{FACT_PREFIX}.{key}", json.dumps(value, sort_keys=True).encode())
+
+    async def get_json(self, key: str, default: Any = None) -> Any:
+        raw = await self._get(f"{FACT_PREFIX}.{key}")
+        return json.loads(raw) if raw else default
