@@ -1,0 +1,199 @@
+"""SGLangEngine against a LIVE SGLang server: runs only when RLBUS_SGLANG_URL is set.
+
+Start a server on the model these tests score against, e.g. the bundled tiny model:
+    python -m sglang.launch_server --model-path shared/assets/tiny-addition --dtype float32 --port 30000
+    RLBUS_SGLANG_URL=http://127.0.0.1:30000 pytest -m sglang tests/test_sglang_contract.py
+Optional: RLBUS_SGLANG_MODEL (the model directory the server serves; default the bundled tiny model),
+RLBUS_SGLANG_BACKEND (weight-group backend; default nccl with CUDA, else gloo), RLBUS_SGLANG_MASTER_ADDR
+(this host as the server sees it; default 127.0.0.1), RLBUS_SGLANG_ATOL (log-prob tolerance; default 5e-3).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+URL = os.environ.get("RLBUS_SGLANG_URL")
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not URL, reason="RLBUS_SGLANG_URL is not set: these tests need a live SGLang server"),
+]
+
+ATOL = float(os.environ.get("RLBUS_SGLANG_ATOL", "5e-3"))
+PROMPTS = ("12+34=", "7+8=", "55+21=")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from rlbus.tiny_model import ensure_default_model
+
+    path = (
+        Path(os.environ["RLBUS_SGLANG_MODEL"])
+        if os.environ.get("RLBUS_SGLANG_MODEL")
+        else ensure_default_model()
+    )
+    if not (path / "config.json").is_file():
+        pytest.skip(f"RLBUS_SGLANG_MODEL={path} is not a model directory")
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Any:
+    from rlbus.rollout.engines.sglang_engine import SGLangEngine
+
+    eng = SGLangEngine(URL or "", model_path=model_dir)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    from rlbus.modeling import load_causal_lm
+
+    return load_causal_lm(model_dir, "float32", "cpu", trainable=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    from rlbus.modeling import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    return [tok.encode(s, add_special_tokens=False) for s in PROMPTS]
+
+
+def _max_diff(model: torch.nn.Module, prompts: list[list[int]], results: list, temp: float) -> float:
+    from rlbus.modeling import response_logprobs
+
+    worst = 0.0
+    for prompt, comps in zip(prompts, results, strict=True):
+        ref = response_logprobs(model, [prompt] * len(comps), [c.response_ids for c in comps], 0, temp)
+        for c, r in zip(comps, ref, strict=True):
+            assert len(c.logprobs) == len(c.response_ids) == len(r)
+            if len(r):
+                worst = max(worst, float(np.abs(c.logprobs - r).max()))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "temp,top_k", [(1.0, -1), (0.7, -1), (0.7, 3), (0.0, -1)], ids=["t1", "t0.7", "topk3", "greedy"]
+)
+def test_generate_logprobs_follow_the_convention(
+    engine: Any, hf_model: Any, prompts: list, temp: float, top_k: int
+) -> None:
+    from rlbus.messages import SamplingParams
+    from rlbus.rollout.engines.base import GenerationRequest
+
+    sp = SamplingParams(temperature=temp, top_k=top_k, max_tokens=6)
+    res = engine.generate([GenerationRequest(p, 3, sp) for p in prompts])
+    assert [len(r) for r in res] == [3, 3, 3]
+    assert _max_diff(hf_model, prompts, res, temp) < ATOL
+
+
+def test_n_max_tokens_stops_and_eos(engine: Any, model_dir: Path, prompts: list) -> None:
+    from rlbus.messages import SamplingParams
+    from rlbus.modeling import load_tokenizer
+    from rlbus.rollout.engines.base import GenerationRequest
+
+    tok = load_tokenizer(model_dir)
+    res = engine.generate([GenerationRequest(prompts[0], 5, SamplingParams(temperature=1.0, max_tokens=3))])[
+        0
+    ]
+    assert len(res) == 5
+    for c in res:
+        assert 1 <= len(c.response_ids) <= 3
+        if c.finish_reason == "stop":
+            assert c.response_ids[-1] == tok.eos_token_id and c.extra["stop_by"] == "eos"
+        else:
+            assert c.finish_reason == "length" and len(c.response_ids) == 3
+    stops = ["1", "5", "9"]
+    sp = SamplingParams(temperature=1.0, max_tokens=8, stop=stops)
+    for comps in engine.generate([GenerationRequest(p, 4, sp) for p in prompts]):
+        for c in comps:
+            assert not any(s in tok.decode(c.response_ids[:-1]) for s in stops)
+            if c.extra.get("stop_by") == "stop_string":
+                assert any(c.text.endswith(s) for s in stops)
+
+
+def test_score_matches_recompute(engine: Any, hf_model: Any, prompts: list) -> None:
+    from rlbus.modeling import response_logprobs
+
+    response = [5, 9, 2]
+    for temp in (1.0, 0.6):
+        ref = response_logprobs(hf_model, [prompts[0]], [response], 0, temp)[0]
+        np.testing.assert_allclose(engine.score(prompts[0], response, temp), ref, atol=ATOL)
+
+
+def test_weight_push_per_tensor(engine: Any, hf_model: Any, prompts: list) -> None:
+    """The learner side SGLang needs: its rendezvous + one broadcast per tensor in announcement order."""
+    import copy
+
+    from rlbus.messages import WeightAnnouncement
+    from rlbus.modeling import response_logprobs
+    from rlbus.rollout.engines.sglang_engine import SGLangWeightSender, sglang_group_name
+    from rlbus.weight_sync import free_port, weights_checksum
+
+    backend = os.environ.get("RLBUS_SGLANG_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    addr = os.environ.get("RLBUS_SGLANG_MASTER_ADDR", "127.0.0.1")
+    response = [5, 9, 2]
+
+    def push(model: torch.nn.Module, version: int, epoch: int) -> None:
+        named = [(n, p.detach().to(device)) for n, p in model.named_parameters()]
+        port = free_port(addr)
+        world = 1 + engine.weight_ranks
+        ann = WeightAnnouncement(
+            run_id="contract",
+            version=version,
+            epoch=epoch,
+            master_addr=addr,
+            master_port=port,
+            world_size=world,
+            ranks={"sglang": 1},
+            backend=backend,
+            names=[n for n, _ in named],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
+            shapes=[list(t.shape) for _, t in named],
+            buckets=[list(range(len(named)))],
+            checksum=weights_checksum(t for _, t in named),
+        )
+        errors: list[BaseException] = []
+
+        def replica() -> None:
+            try:
+                engine.receive_weights(ann, 1, timeout_s=120.0)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        thread = threading.Thread(target=replica)
+        thread.start()
+        sender = SGLangWeightSender(backend=backend, timeout_s=120.0)
+        try:
+            sender.open(addr, port, world, sglang_group_name(ann))
+            sender.send(named)
+        finally:
+            thread.join(timeout=180)
+            sender.close()
+        assert not errors, errors
+        assert engine.policy_version == version
+
+    before = engine.score(prompts[0], response)
+    perturbed = copy.deepcopy(hf_model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5 * (p.std() if p.numel() > 1 else 1.0))
+    try:
+        push(perturbed, version=1, epoch=1)
+        expected = response_logprobs(perturbed, [prompts[0]], [response], 0, 1.0)[0]
+        after = engine.score(prompts[0], response)
+        assert np.abs(after - before).max() > 0.1
+        np.testing.assert_allclose(after, expected, atol=ATOL)
+    finally:
+        push(hf_model, version=2, epoch=2)  # leave the server as we found it
+    np.testing.assert_allclose(engine.score(prompts[0], response), before, atol=ATOL)
