@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 
 ATOL = 1e-4
 PROMPTS = ("12+34=", "7+8=", "55+21=")
+LONG_PROMPT = " " * 40 + "12+34="  # 46 tokens, and the tiny model still answers with varied digits
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def engine(model_dir: Path) -> Iterator[Any]:
     from rlbus.rollout.engines.vllm_engine import VLLMEngine
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    eng = VLLMEngine(model_dir, dtype="float32", max_num_seqs=32, seed=0)
+    # block_size 32 (CPU default 128 > the tiny model's context) so prefix caching really reuses KV blocks
+    eng = VLLMEngine(model_dir, dtype="float32", max_num_seqs=32, seed=0, block_size=32)
     try:
         yield eng
     finally:
@@ -108,6 +110,18 @@ def test_behaviour_logprobs_equal_learner_recompute(
     res = engine.generate([GenerationRequest(p, 4, sp) for p in prompts])
     assert [len(r) for r in res] == [4, 4, 4]
     assert _max_diff(hf_model, prompts, res, sp.temperature) < ATOL
+
+
+def test_mixed_batch_each_request_keeps_its_convention(engine: Any, hf_model: Any, prompts: list) -> None:
+    # one vLLM call holding exact (processed) rows, re-scored (top-k/top-p) rows and a greedy row
+    sps = [
+        SamplingParams(temperature=0.8, top_k=4, max_tokens=6),
+        SamplingParams(temperature=1.2, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=6),
+    ]
+    res = engine.generate([GenerationRequest(p, 3, sp) for p, sp in zip(prompts, sps, strict=True)])
+    for p, comps, sp in zip(prompts, res, sps, strict=True):
+        assert _max_diff(hf_model, [p], [comps], sp.temperature) < ATOL
 
 
 def test_top_k_changes_sampling_not_the_recorded_logprob(engine: Any, hf_model: Any, prompts: list) -> None:
@@ -251,9 +265,11 @@ def test_weight_push_changes_logprobs_to_the_senders(
     port = free_port()
     proc = ctx.Process(target=_learner_side, args=(str(model_dir), port, commands, replies), daemon=True)
     proc.start()
-    fixed = prompts[0] + [5, 9, 2]  # a fixed sequence: score its last tokens after the first prompt
-    response = fixed[len(prompts[0]) :]
+    response = [5, 9, 2]  # a fixed sequence: scored after the first prompt
     seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=77)
+    # Longer than one KV block: the prefix cache holds it from before the push, which must not leak after.
+    long_prompt = load_tokenizer(model_dir).encode(LONG_PROMPT, add_special_tokens=False)
+    assert len(long_prompt) > 40
 
     def push(seed: int, version: int, corrupt: bool = False) -> Path:
         save = tmp_path / f"v{version}-{seed}"
@@ -282,7 +298,7 @@ def test_weight_push_changes_logprobs_to_the_senders(
 
     try:
         before = engine.score(prompts[0], response)
-        gen_before = engine.generate([GenerationRequest(prompts[0], 4, seeded)])[0]
+        gen_before = engine.generate([GenerationRequest(long_prompt, 4, seeded)])[0]
 
         save = push(seed=1, version=5)
         assert engine.policy_version == 5
@@ -291,9 +307,9 @@ def test_weight_push_changes_logprobs_to_the_senders(
         after = engine.score(prompts[0], response)
         assert np.abs(after - before).max() > 0.1  # the push really changed the model...
         np.testing.assert_allclose(after, expected, atol=ATOL)  # ...to exactly the sender's weights
-        gen_after = engine.generate([GenerationRequest(prompts[0], 4, seeded)])[0]
+        gen_after = engine.generate([GenerationRequest(long_prompt, 4, seeded)])[0]
         assert [c.response_ids for c in gen_after] != [c.response_ids for c in gen_before]
-        assert _max_diff(new_model, [prompts[0]], [gen_after], 1.0) < ATOL
+        assert _max_diff(new_model, [long_prompt], [gen_after], 1.0) < ATOL  # no stale prefix-cache KV
 
         # An announcement whose checksum disagrees with what is sent is rejected before any weight moves.
         with pytest.raises(Exception, match="checksum"):

@@ -105,6 +105,8 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         cpu_kv_cache_gib: int = 1,
+        block_size: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         _check_plugin()
         from vllm import LLM
@@ -142,6 +144,9 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)
+        if block_size is not None:
+            kwargs["block_size"] = int(block_size)  # CPU default 128: prefix caching only reuses full blocks
+        kwargs.update(engine_kwargs or {})
         with _env(env):
             self._llm = LLM(**kwargs)
         self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())

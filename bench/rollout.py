@@ -1,0 +1,214 @@
+"""Rollout engine benchmark: hf vs vllm on the same model, prompts and sampling, in one run.
+
+Measures per engine: start-up, time to the first batch (includes any warm-up), steady tokens/s over the
+following batches, and the cost of one weight push of the whole model through the gloo path the learner
+uses (rlbus.weight_sync.WeightSender in a separate process -> engine.receive_weights). Engines run one
+after the other (never side by side), so they do not compete for the CPU.
+
+    python bench/rollout.py                      # the bundled tiny model
+    python bench/rollout.py --model DIR --prompts 32 --n 4 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _learner(model_dir: str, port: int, pushes: int, replies: Any) -> None:
+    """Learner side of the push: plans the model's weights once, hosts the group, sends `pushes` times."""
+    import torch
+    from rlbus.modeling import load_causal_lm
+    from rlbus.weight_sync import WeightSender
+
+    torch.set_num_threads(1)
+    try:
+        model = load_causal_lm(model_dir, "float32", "cpu", trainable=False)
+        named = list(model.named_parameters())
+        sender = WeightSender(backend="gloo", host="127.0.0.1", timeout_s=300.0)
+        plan = sender.plan(named)
+        replies.put(("plan", plan.announcement_fields(), plan.total_bytes))
+        sender.open(port, 2, 1)
+        for _ in range(pushes):
+            sender.send(named, plan)
+            replies.put(("sent", sender.last_send_seconds, sender.last_send_bytes))
+        sender.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        replies.put(("error", repr(exc), 0))
+
+
+def bench_push(engine: Any, model_dir: Path, pushes: int) -> dict[str, float]:
+    """Seconds and GB/s of one full-model push (median of `pushes`), timed around receive_weights."""
+    from rlbus.messages import WeightAnnouncement
+    from rlbus.weight_sync import free_port
+
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    port = free_port()
+    proc = ctx.Process(target=_learner, args=(str(model_dir), port, pushes, replies), daemon=True)
+    proc.start()
+    try:
+        kind, fields, total = replies.get(timeout=300)
+        if kind != "plan":
+            raise RuntimeError(f"learner side failed: {fields}")
+        times: list[float] = []
+        for version in range(1, pushes + 1):
+            ann = WeightAnnouncement(
+                run_id="bench",
+                version=version,
+                epoch=1,
+                master_addr="127.0.0.1",
+                master_port=port,
+                world_size=2,
+                ranks={"bench": 1},
+                backend="gloo",
+                **fields,
+            )
+            start = time.perf_counter()
+            engine.receive_weights(ann, 1, timeout_s=300.0)
+            times.append(time.perf_counter() - start)
+            reply = replies.get(timeout=300)
+            if reply[0] != "sent":
+                raise RuntimeError(f"learner side failed: {reply[1]}")
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    first = times[0]
+    steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    return {
+        "push_bytes": float(total),
+        "push_first_s": first,
+        "push_s": steady,
+        "push_gbps": total / steady / 1e9,
+    }
+
+
+def bench_engine(
+    name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, float]:
+    from rlbus.messages import SamplingParams
+    from rlbus.rollout.engines.base import GenerationRequest
+
+    start = time.perf_counter()
+    if name == "hf":
+        from rlbus.rollout.engines.hf import HFEngine
+
+        engine: Any = HFEngine(model_dir, dtype=args.dtype, device=args.device, seed=0)
+    else:
+        from rlbus.rollout.engines.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0)
+    startup = time.perf_counter() - start
+    sp = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
+    requests = [GenerationRequest(p, args.n, sp) for p in prompts]
+    try:
+        start = time.perf_counter()
+        first = engine.generate(requests)
+        first_s = time.perf_counter() - start
+        tokens, seconds = 0, 0.0
+        for _ in range(args.batches):
+            start = time.perf_counter()
+            out = engine.generate(requests)
+            seconds += time.perf_counter() - start
+            tokens += sum(len(c.response_ids) for comps in out for c in comps)
+        row = {
+            "startup_s": startup,
+            "first_batch_s": first_s,
+            "first_batch_tokens": float(sum(len(c.response_ids) for comps in first for c in comps)),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "mean_len": tokens / max(1, args.batches * len(prompts) * args.n),
+        }
+        if args.pushes > 0:
+            row.update(bench_push(engine, model_dir, args.pushes))
+        return row
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def _table(results: dict[str, dict[str, float]]) -> str:
+    cols = [
+        ("startup_s", "start s", "{:.1f}"),
+        ("first_batch_s", "1st batch s", "{:.3f}"),
+        ("tokens_per_s", "tokens/s", "{:.0f}"),
+        ("mean_len", "mean len", "{:.2f}"),
+        ("push_first_s", "1st push s", "{:.3f}"),
+        ("push_s", "push s", "{:.4f}"),
+        ("push_gbps", "push GB/s", "{:.3f}"),
+    ]
+    head = f"{'engine':<8}" + "".join(f"{label:>13}" for _, label, _ in cols)
+    lines = [head, "-" * len(head)]
+    for name, row in results.items():
+        cells = "".join(f"{(fmt.format(row[k]) if k in row else '-'):>13}" for k, _, fmt in cols)
+        lines.append(f"{name:<8}{cells}")
+    if "hf" in results and "vllm" in results:
+        hf, vl = results["hf"], results["vllm"]
+        ratio = vl["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else float("nan")
+        first = hf["first_batch_s"] / vl["first_batch_s"] if vl.get("first_batch_s") else float("nan")
+        lines.append(f"vllm/hf tokens/s ratio: {ratio:.2f}x   (first batch: vllm {first:.2f}x faster)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="HF model directory (default: the bundled tiny model)"
+    )
+    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--batches", type=int, default=3, help="timed batches after the first")
+    parser.add_argument("--pushes", type=int, default=3, help="weight pushes to time (0 = skip)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="hf engine device")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from rlbus.modeling import load_tokenizer
+    from rlbus.tasks import get_task
+    from rlbus.tiny_model import ensure_default_model
+
+    model_dir = args.model or ensure_default_model()
+    tok = load_tokenizer(model_dir)
+    examples = get_task("addition").make_examples("val", args.prompts, seed=1)
+    prompts = [tok.encode(ex.prompt, add_special_tokens=False) for ex in examples]
+    print(
+        f"model {model_dir} | {len(prompts)} prompts x n={args.n}, max_tokens={args.max_tokens}, "
+        f"T={args.temperature} top_p={args.top_p} top_k={args.top_k} | {args.batches} timed batches | "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
+    results: dict[str, dict[str, float]] = {}
+    for name in [e.strip() for e in args.engines.split(",") if e.strip()]:
+        print(f"-- {name} ...", flush=True)
+        results[name] = bench_engine(name, model_dir, prompts, args)
+    print()
+    print(_table(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
