@@ -23,6 +23,7 @@ Phases (driven by `VLLMEngine.receive_weights` through `LLM.init_weight_transfer
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,17 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(ENGINE_NAME, RlbusWeightTransferEngine)
 
 
-def _reprocess_tied_layers(model: torch.nn.Module) -> None:
+def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """Modules that share one weight Parameter (a tied lm_head and its embed_tokens)."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            owners.setdefault(id(weight), []).append(module)
+    return [mods for mods in owners.values() if len(mods) > 1]
+
+
+def _reprocess_tied_layers(groups: list[list[torch.nn.Module]]) -> None:
     """Re-run weight post-processing on layers that share their weight with another layer (tied lm_head).
 
     Layerwise reload processes a tied weight only through the layer that loads it (embed_tokens; its
@@ -57,16 +68,31 @@ def _reprocess_tied_layers(model: torch.nn.Module) -> None:
     GEMM closure, so the tied lm_head would keep computing logits from the OLD packed embedding.
     Embedding-family methods keep their weight (remove_weight=False), so re-processing them is safe.
     """
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-        if weight is not None and getattr(module, "quant_method", None) is not None:
-            owners.setdefault(id(weight), []).append(module)
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
+    for modules in groups:
         for module in modules:
             module.quant_method.process_weights_after_loading(module)
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drops layerwise reload's "<Layer>: Failed to load weights" for layers that have nothing to load by
+    design (tied lm_head, parameter-free RotaryEmbedding), so a real miss still stands out in the log."""
+
+    def __init__(self, quiet: set[str]) -> None:
+        super().__init__()
+        self.quiet = quiet
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            return record.args[0] not in self.quiet
+        return True
+
+
+def _nothing_to_load(model: torch.nn.Module, tied: list[list[torch.nn.Module]]) -> set[str]:
+    names = {type(m).__name__ for mods in tied for m in mods[1:]}
+    # Parameter-free layers (RotaryEmbedding: only a cos/sin buffer) never get checkpoint weights.
+    with_params = {type(m).__name__ for m in model.modules() if m._parameters}
+    names |= {type(m).__name__ for m in model.modules() if not m._parameters} - with_params
+    return names
 
 
 @dataclass
@@ -191,12 +217,19 @@ class RlbusWeightTransferEngine(WeightTransferEngine[RlbusInitInfo, RlbusUpdateI
             raise RuntimeError("finish_weight_update without a verified update: nothing to load")
         device_staged = [(n, t.to(self.device, non_blocking=True)) for n, t in staged]
         del staged
-        initialize_layerwise_reload(self.model)
+        tied = _tied_groups(self.model)
+        quiet = _ExpectedReloadWarnings(_nothing_to_load(self.model, tied))
+        reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        reload_logger.addFilter(quiet)
         try:
-            self.model.load_weights(device_staged)
+            initialize_layerwise_reload(self.model)
+            try:
+                self.model.load_weights(device_staged)
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
         finally:
-            finalize_layerwise_reload(self.model, self.model_config)
-        _reprocess_tied_layers(self.model)
+            reload_logger.removeFilter(quiet)
+        _reprocess_tied_layers(tied)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
