@@ -8,6 +8,7 @@ One engine for the whole module (vLLM starts in ~30 s). Log-prob tolerance: 1e-4
 from __future__ import annotations
 
 import copy
+import importlib.util
 import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +18,17 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from rlbus.messages import SamplingParams, WeightAnnouncement
+from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
+from rlbus.rollout.engines.base import Completion, GenerationRequest
 
-pytest.importorskip("vllm")
-
-from rlbus.messages import SamplingParams, WeightAnnouncement  # noqa: E402
-from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs  # noqa: E402
-from rlbus.rollout.engines.base import Completion, GenerationRequest  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+# find_spec, not importorskip: collecting this file (e.g. under `make test`) must not import vLLM.
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make install)"
+    ),
+]
 torch.set_num_threads(1)
 
 ATOL = 1e-4
