@@ -12,6 +12,9 @@ Our convention (rlbus.rollout.engines.base) is log_softmax(logits / T) over the 
 * with top-k or top-p active, the value vLLM has is renormalised, so we sample without log-probs and
   re-score the sampled tokens in one batched prefill (`prompt_logprobs`, which vLLM computes from the
   raw logits: log_softmax(logits) for T = 1, and the full-vocabulary row re-tempered here for T != 1).
+  The T != 1 re-score moves a vocabulary-sized row per token to this process: fine for small vocabularies,
+  slow for 150k ones; prefer top_k=-1/top_p=1 for RL (the default) or T = 1 with filtering.
+  On GPU, processed log-probs make vLLM use its native sampler instead of FlashInfer's.
 
 Weights. `receive_weights` drives vLLM's native RL weight-update API (`init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update`) with the `rlbus` transfer engine that
