@@ -156,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops collecting positionals at the first flag: `up --fresh a.b=1` leaves a.b=1 over.
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from rlbus.config import ConfigError
 
     try:

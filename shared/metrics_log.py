@@ -22,7 +22,7 @@ def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
     total_s = f"/{total}" if total else ""
     return (
         f"step {step}{total_s} | reward {f('reward/mean')} | acc {f('reward/accuracy')} | "
-        f"kl {f('actor/kl', '{:.4f}')} | len {f('response/length_mean', '{:.1f}')} | "
+        f"val {f('val/accuracy')} | kl {f('actor/kl', '{:.4f}')} | len {f('response/length_mean', '{:.1f}')} | "
         f"tok/s {f('perf/tokens_per_s', '{:.0f}')} | lag {f('staleness/mean', '{:.2f}')} | "
         f"dropped {f('staleness/dropped_total', '{:.0f}')}"
     )

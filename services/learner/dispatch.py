@@ -72,13 +72,29 @@ class Dispatcher:
             if len(prompt_ids) > self.cfg.data.max_prompt_length:
                 prompt_ids = prompt_ids[-self.cfg.data.max_prompt_length :]
             prompt_id = f"{self.cfg.run.id}-p{item.index}"
-            seed = None if self.cfg.rollout.seed is None else self.cfg.rollout.seed * 1_000_003 + item.index
             work = PromptWork(
                 run_id=self.cfg.run.id, prompt_id=prompt_id, index=item.index, step=step,
                 min_policy_version=version, prompt_ids=prompt_ids, prompt_text=item.prompt, meta=item.meta,
-                n=self.cfg.rollout.n, sampling=self.sampling.model_copy(update={"seed": seed}),
+                n=self.cfg.rollout.n, sampling=self.sampling,  # unseeded: replicas batch it with other work
             )
             await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
             self.ledger.dispatched[prompt_id] = item.index
             sent += 1
         return sent
+
+    async def dispatch_validation(self, records: list, version: int, step: int) -> dict[str, int]:
+        """Greedy, one sample per prompt, through the same services; returns prompt id -> record index."""
+        from rlbus.bus import Stage
+
+        greedy = self.sampling.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
+        pending: dict[str, int] = {}
+        for i, (prompt, meta) in enumerate(records):
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"][-self.cfg.data.max_prompt_length :]
+            prompt_id = f"{self.cfg.run.id}-v{step}-{i}"
+            work = PromptWork(
+                run_id=self.cfg.run.id, prompt_id=prompt_id, index=i, step=step, min_policy_version=version,
+                prompt_ids=prompt_ids, prompt_text=prompt, meta=meta, n=1, sampling=greedy, split="val",
+            )
+            await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
+            pending[prompt_id] = i
+        return pending

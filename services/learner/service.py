@@ -73,7 +73,9 @@ class Learner:
         self.run_dir = ctx.run_dir
         self.ledger = Ledger()
         self.version = 0
-        self.held: list = []  # deliveries received for the current batch, not yet acked
+        self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
+        self.val_results: list[tuple[float, bool]] = []
+        self.overflow: list = []  # ready groups received while a full batch waited for validation
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, load_split
@@ -92,6 +94,7 @@ class Learner:
         model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(model_path)
         records = load_split(cfg.data, "train")
+        self.val_records = load_split(cfg.data, "val")[: cfg.data.val_batch_size]
         self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.total_steps = total_steps(cfg, len(records))
         device = pick_device(cfg.trainer.device)
@@ -121,43 +124,78 @@ class Learner:
             self.ledger.dropped[pid] = reason
         await delivery.ack()
 
-    async def gather(self, step: int) -> list:
-        """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked."""
+    async def start_validation(self, step: int) -> None:
+        if self.val_records:
+            self.val_pending = await self.dispatcher.dispatch_validation(self.val_records, self.version, step)
+            self.val_results = []
+            self.val_version = self.version
+
+    def validation_metrics(self) -> dict[str, float]:
+        if not self.val_results or self.val_pending:
+            return {}
+        rewards = [r for r, _ in self.val_results]
+        return {"val/accuracy": float(np.mean([c for _, c in self.val_results])),
+                "val/reward_mean": float(np.mean(rewards)), "val/version": float(self.val_version)}
+
+    async def _consider(self, d, batch: list, need: int) -> None:
+        """Routes one ready group: validation result, batch member, overflow, or settled as dropped."""
+        group: ReadyGroup = d.message
+        work = group.scored.trajectories.work
+        pid = work.prompt_id
+        if work.split == "val":
+            if self.val_pending.pop(pid, None) is not None:
+                self.val_results.append((group.scored.rewards[0], group.scored.correct[0]))
+            await d.ack()
+            return
+        lag = self.version - group.scored.trajectories.policy_version
+        if pid not in self.ledger.dispatched or self.ledger.is_settled(pid) or \
+                any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
+            self.ledger.duplicates += 1  # a redelivery raced its ack, or another run's leftover
+            await d.ack()
+        elif lag > self.cfg.trainer.async_level:
+            await self._settle(d, "stale")
+        elif self.cfg.algorithm.dynamic_sampling and len(set(group.scored.rewards)) == 1:
+            await self._settle(d, "zero_variance")
+        elif len(batch) >= need:  # the batch is full; waiting only for validation: keep it for the next one
+            self.overflow.append(d)
+        else:
+            batch.append(d)
+
+    async def gather(self, step: int, need: int | None = None) -> list:
+        """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked.
+
+        Validation groups that arrive meanwhile are scored into `val_results`; the batch is complete only
+        when the validation started for this step is complete too.
+        """
         cfg = self.cfg
-        need = cfg.data.train_batch_size
+        need = cfg.data.train_batch_size if need is None else need
         batch: list = []
         started = last_log = last_keepalive = last_progress = time.monotonic()
-        while len(batch) < need:
+        while len(batch) < need or self.val_pending:
             if self.ctx.stop.is_set():
                 raise asyncio.CancelledError
-            await self.dispatcher.top_up(self.version, step, len(batch))
-            deliveries = await self.consumer.fetch(batch=need - len(batch), timeout=1.0)
+            if need:
+                await self.dispatcher.top_up(self.version, step, len(batch))
+            held, self.overflow = self.overflow, []
+            for d in held:
+                await self._consider(d, batch, need)
+            deliveries = await self.consumer.fetch(batch=max(1, need - len(batch) + len(self.val_pending)),
+                                                   timeout=1.0)
             now = time.monotonic()
             for d in deliveries:
-                group: ReadyGroup = d.message
-                pid = group.scored.trajectories.work.prompt_id
-                lag = self.version - group.scored.trajectories.policy_version
-                if pid not in self.ledger.dispatched or self.ledger.is_settled(pid) or \
-                        any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
-                    self.ledger.duplicates += 1  # a redelivery raced its ack, or another run's leftover
-                    await d.ack()
-                elif lag > cfg.trainer.async_level:
-                    await self._settle(d, "stale")
-                elif cfg.algorithm.dynamic_sampling and len(set(group.scored.rewards)) == 1:
-                    await self._settle(d, "zero_variance")
-                else:
-                    batch.append(d)
+                await self._consider(d, batch, need)
                 last_progress = now
             if not deliveries:
                 await self.pusher.maintain(self._named_weights, self.version)
             if now - last_keepalive > KEEPALIVE_EVERY_S:
-                for d in batch:
+                for d in batch + self.overflow:
                     await d.in_progress()
                 last_keepalive = now
             if now - last_log > WAIT_LOG_EVERY_S:
                 replicas = await self.pusher.live_replicas()
                 self.ctx.log.info("waiting for ready trajectories", step=step, have=len(batch), need=need,
                                   in_flight=self.ledger.in_flight, replicas=sorted(replicas),
+                                  validation_pending=len(self.val_pending),
                                   waited_s=round(now - started))
                 last_log = now
             if now - last_progress > cfg.trainer.batch_timeout_s:
@@ -189,11 +227,17 @@ class Learner:
         tokens_total, t_run = 0, time.perf_counter()
         for step in range(self.total_steps):
             t_step = time.perf_counter()
+            validate = (step == 0 and cfg.trainer.val_before_train) or (
+                cfg.trainer.test_freq > 0 and step > 0 and step % cfg.trainer.test_freq == 0)
+            if validate:
+                await self.start_validation(step)
             deliveries = await self.gather(step)
             t_gathered = time.perf_counter()
             groups = [d.message for d in deliveries]
             batch = collate(groups, pad_id)
             metrics = batch_metrics(groups, self.version)
+            if validate:
+                metrics.update(self.validation_metrics())
             metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
             t_trained = time.perf_counter()
             if step <= 1 and cfg.trainer.dump_first_batch:
@@ -221,6 +265,10 @@ class Learner:
             })
             self.writer.log(step + 1, metrics)
             self.ledger.save(ledger_path)
+        if cfg.trainer.test_freq > 0 and self.val_records:
+            await self.start_validation(self.total_steps)
+            await self.gather(self.total_steps, need=0)
+            self.writer.log(self.total_steps, {"policy/version": float(self.version), **self.validation_metrics()})
         await self.drain()
         self.ledger.save(ledger_path)
         self.writer.close()

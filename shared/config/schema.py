@@ -52,7 +52,7 @@ class ModelConfig(Section):
 class RolloutConfig(Section):
     name: Literal["hf", "vllm", "sglang"] = "hf"
     n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(0.7, ge=0.0, description="0.7 suits the bundled tiny model; verl uses 1.0")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     stop: list[str] = Field(default_factory=list)
@@ -149,11 +149,11 @@ class CriticConfig(Section):
 
 class TrainerConfig(Section):
     total_epochs: int = Field(1, ge=1)
-    total_training_steps: int | None = Field(40, ge=1, description="stops earlier than total_epochs when set")
+    total_training_steps: int | None = Field(150, ge=1, description="stops earlier than total_epochs when set")
     async_level: int = Field(1, ge=0, description="policy versions rollouts may lag behind; 0 = on-policy sync")
     save_freq: int = Field(-1, description="checkpoint every N steps; -1 = never")
-    test_freq: int = Field(-1, description="validate every N steps; -1 = never")
-    val_before_train: bool = False
+    test_freq: int = Field(25, description="validate (greedy, held-out split) every N steps; -1 = never")
+    val_before_train: bool = True
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl", "tensorboard"]
     )
