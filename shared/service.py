@@ -61,6 +61,8 @@ def default_instance_id(service: str) -> str:
 
 async def _heartbeat_loop(ctx: ServiceContext) -> None:
     while not ctx.stop.is_set():
+        if ctx.health is not None:
+            ctx.health.set_ready(ctx.status == "ready", reason=ctx.status)
         try:
             await ctx.state.heartbeat(ctx.heartbeat())
         except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves
