@@ -107,6 +107,8 @@ class AlgorithmConfig(Section):
     kl_penalty: Literal["k1", "k2", "k3"] = "k1"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
+    overlong_buffer_len: int = Field(0, ge=0, description="DAPO soft overlong punishment: last N tokens; 0 = off")
+    overlong_penalty_factor: float = Field(1.0, ge=0.0, description="DAPO: penalty at max_response_length")
 
 
 class OptimConfig(Section):
@@ -129,7 +131,9 @@ class ActorConfig(Section):
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound")
     policy_loss: Literal["vanilla", "dual_clip", "gspo"] = "vanilla"
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
