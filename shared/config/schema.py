@@ -200,6 +200,49 @@ class LoggingConfig(Section):
     json_logs: bool = False
 
 
+class PreferenceConfig(Section):
+    """Offline preference training (`rlbus train` with algorithm != none): DPO, KTO or SimPO on fixed pairs.
+
+    The policy is `model.path` (None = the bundled tiny model); the frozen reference is `ref.model_path`
+    or the policy's initial weights. With no `train_files`, a synthetic set is made from `data.task`.
+    """
+
+    algorithm: Literal["none", "dpo", "kto", "simpo"] = Field("none", description="none = RL (services)")
+    train_files: list[Path] = Field(default_factory=list, description="JSONL/parquet; [] = synthetic")
+    val_files: list[Path] = Field(default_factory=list, description="held-out; [] = eval_fraction of train")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="train share held out without val_files")
+    synthetic_train_examples: int = Field(256, ge=1, description="pairs generated when train_files is empty")
+    synthetic_val_examples: int = Field(64, ge=1)
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    completion_key: str = Field("completion", description="KTO unpaired rows: prompt/completion/label")
+    label_key: str = "label"
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="DPO variant")
+    beta: float | None = Field(None, gt=0.0, description="None = 0.1 for DPO/KTO, 2.0 for SimPO")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="conservative DPO / SimPO")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO target reward margin")
+    kto_desirable_weight: float = Field(1.0, ge=0.0)
+    kto_undesirable_weight: float = Field(1.0, ge=0.0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stops earlier than epochs when set")
+    batch_size: int = Field(16, ge=1, description="pairs (KTO: examples) per optimizer step")
+    micro_batch_size: int = Field(8, ge=1, description="pairs per forward/backward (gradient accumulation)")
+    eval_batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    max_length: int = Field(512, ge=2, description="prompt + completion tokens; longer rows are truncated")
+    max_prompt_length: int | None = Field(None, ge=1, description="prompt tokens kept (its end); None = all")
+    append_eos: bool = Field(True, description="end every completion with the tokenizer's eos token")
+    ref_source: Literal["local", "service"] = Field("local", description="ref log-probs: here or ref service")
+    ref_timeout_s: float = Field(300.0, gt=0, description="ref_source=service: longest wait for its answers")
+    log_every: int = Field(1, ge=1)
+    save_model: bool = True
+    seed: int = 0
+
+
 class RlbusConfig(BaseSettings):
     """Root of the tree. Sources, strongest first: command-line overrides, RLBUS_* env vars, the YAML file."""
 
@@ -219,6 +262,7 @@ class RlbusConfig(BaseSettings):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
 
     @property
     def needs_ref(self) -> bool:
