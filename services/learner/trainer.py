@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
 from rlbus.config import RlbusConfig
 from rlbus.learner.algorithms.advantages import compute_advantages
 from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
@@ -52,6 +53,10 @@ class PolicyTrainer:
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        # Critic hook (PPO with GAE): a value model with its own optimizer; None for critic-free estimators.
+        from rlbus.learner.critic import build_critic
+
+        self.critic = build_critic(cfg, model_path, device, total_steps)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the weight push sends: the full state dict, in a stable order."""
@@ -89,7 +94,7 @@ class PolicyTrainer:
         self.model.train()
         old_logprobs = self._logprobs_no_grad(batch, actor.ppo_micro_batch_size) if needs_old_pass else None
 
-        rewards = batch.rewards
+        rewards, shaping_metrics = shaped_rewards(self.cfg, batch)  # DAPO overlong punishment hook
         kl_in_reward = None
         if algo.use_kl_in_reward and batch.ref_logprobs is not None and old_logprobs is not None:
             kl_in_reward = kl_estimate(old_logprobs, batch.ref_logprobs, algo.kl_penalty) * mask
@@ -99,9 +104,10 @@ class PolicyTrainer:
 
             token_rewards = sequence_to_token_rewards(rewards, mask, kl_in_reward, self.kl_ctrl.value)
         estimator = "dr_grpo" if algo.adv_estimator == "dr_grpo" else algo.adv_estimator
-        advantages, _ = compute_advantages(
+        values = self.critic.values(batch) if self.critic is not None else None  # critic hook: old values
+        advantages, returns = compute_advantages(
             estimator, response_mask=mask, rewards=None if token_rewards is not None else rewards,
-            group_ids=batch.group_ids, token_rewards=token_rewards, gamma=algo.gamma, lam=algo.lam,
+            group_ids=batch.group_ids, token_rewards=token_rewards, values=values, gamma=algo.gamma, lam=algo.lam,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
         )
 
@@ -166,7 +172,24 @@ class PolicyTrainer:
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
         metrics["actor/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0))
+        metrics.update(shaping_metrics)
+        if self.critic is not None:  # critic hook: value regression on the same mini-batches
+            metrics.update(self.critic.update(batch, returns, values, minibatches))
         return metrics
+
+
+def shaped_rewards(cfg: RlbusConfig, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sequence rewards after DAPO's soft overlong punishment (`algorithm.overlong_buffer_len` > 0)."""
+    algo = cfg.algorithm
+    if algo.overlong_buffer_len <= 0:
+        return batch.rewards, {}
+    from rlbus.learner.algorithms.dapo import overlong_penalty
+
+    lengths = batch.response_mask.sum(-1)
+    penalty = overlong_penalty(lengths, cfg.data.max_response_length, algo.overlong_buffer_len,
+                               algo.overlong_penalty_factor)
+    return batch.rewards + penalty, {"dapo/overlong_penalty_mean": float(penalty.mean()),
+                                     "dapo/overlong_frac": float((penalty < 0).float().mean())}
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:
