@@ -24,12 +24,21 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rlbus.config import dump_config
+    import yaml
+
+    from rlbus.bus.connect import redact_url
 
     if args.action != "show":
         print(f"unknown config action {args.action!r} (allowed: show)", file=sys.stderr)
         return 2
-    print(dump_config(_load(args)), end="")
+    data = _load(args).model_dump(mode="json")
+    bus = data.get("bus", {})
+    for key in ("password", "token"):  # shown as set or not, never the secret itself
+        if bus.get(key) is not None:
+            bus[key] = "***"
+    if bus.get("url"):
+        bus["url"] = redact_url(bus["url"])
+    print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
 
@@ -82,9 +91,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from rlbus.plot import plot_run
+    from rlbus.plot import PlotError, plot_run
 
-    for path in plot_run(args.run_dir, args.out):
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except PlotError as exc:
+        print(f"rlbus plot: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
         print(path)
     return 0
 
