@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rlbus.config import RlbusConfig
+from rlbus.learner import parallel
 from rlbus.learner.algorithms.advantages import compute_advantages
 from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
 from rlbus.learner.algorithms.policy_loss import (
@@ -22,7 +23,7 @@ from rlbus.learner.algorithms.policy_loss import (
     truncated_is_weights,
 )
 from rlbus.learner.batch import TrainBatch
-from rlbus.modeling import load_causal_lm, token_logprobs
+from rlbus.modeling import torch_dtype
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -38,10 +39,12 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
 class PolicyTrainer:
     def __init__(self, cfg: RlbusConfig, model_path: Path, device: torch.device, total_steps: int) -> None:
         self.cfg = cfg
-        self.device = device
-        self.model = load_causal_lm(model_path, cfg.model.dtype, device, trainable=True)
-        if cfg.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        # Scale hook (parallel.py): rank 0 of a torchrun group tells the other ranks to build theirs; the
+        # model comes back with gradient checkpointing, LoRA and FSDP2 applied as configured.
+        self.par = parallel.context(device)
+        self.device = self.par.device if self.par.initialized else device
+        self.par.lead_init(model_path, total_steps)
+        self.model = parallel.build_policy_model(cfg, model_path, self.par)
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
@@ -59,21 +62,27 @@ class PolicyTrainer:
         self.critic = build_critic(cfg, model_path, device, total_steps)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """What the weight push sends: the full state dict, in a stable order."""
-        yield from self.model.state_dict().items()
+        """What the weight push sends: full tensors one at a time, state-dict order, in `model.dtype`
+        (LoRA: merged, under the base model's names). Under FSDP every rank gathers alongside."""
+        return self.par.lead_gather(
+            lambda: parallel.full_state_items(self.model, torch_dtype(self.cfg.model.dtype)))
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = token_logprobs(
-            self.model, mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-            mb.position_ids.to(self.device), mb.temperature, return_entropy=entropy,
-        )
-        return out if entropy else (out, None)
+        return parallel.forward_logprobs(self.model, mb, self.device, self.cfg.model.use_remove_padding, entropy)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[parallel.MicroBatch]:
+        """This rank's micro-batches (its share under data parallelism; token-bounded when packing)."""
+        actor = self.cfg.actor
+        return parallel.plan_micro_batches(batch, self.par, actor.ppo_micro_batch_size,
+                                           self.cfg.model.use_remove_padding, actor.ppo_max_token_len_per_gpu)
 
     @torch.no_grad()
     def _logprobs_no_grad(self, batch: TrainBatch, micro: int) -> torch.Tensor:
-        chunks = [self._forward(batch.select(range(i, min(i + micro, batch.size))), False)[0].cpu()
-                  for i in range(0, batch.size, micro)]
-        return torch.cat(chunks)
+        out = torch.zeros(batch.response_mask.shape)
+        for mbatch in self._micro_batches(batch):
+            if not mbatch.dummy:
+                out[mbatch.idx] = self._forward(mbatch.batch, False)[0].float().cpu()
+        return self.par.all_reduce(out)  # each rank scored its share: the sum fills in the whole batch
 
     def _minibatches(self, batch: TrainBatch) -> list[list[int]]:
         """Mini-batches hold whole groups: `ppo_mini_batch_size` prompts (0 = everything in one)."""
@@ -87,6 +96,7 @@ class PolicyTrainer:
         return out
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        batch = self.par.lead_train(batch)  # rank 0 of several: the other ranks train on it too
         actor, algo = self.cfg.actor, self.cfg.algorithm
         mask = batch.response_mask
         minibatches = self._minibatches(batch)
@@ -122,12 +132,11 @@ class PolicyTrainer:
                 mini = batch.select(mb_idx)
                 mini_adv = advantages[mb_idx]
                 mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
-                agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0)
-                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(min=1.0)
+                # global counts / world size: FSDP averages the ranks' gradients (see parallel.py)
+                agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
+                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(min=1.0) / self.par.world_size
                 self.optimizer.zero_grad(set_to_none=True)
-                for start in range(0, mini.size, actor.ppo_micro_batch_size):
-                    idx = list(range(start, min(start + actor.ppo_micro_batch_size, mini.size)))
-                    mb = mini.select(idx)
+                for idx, mb in self._micro_batches(mini):
                     m = mb.response_mask.to(self.device)
                     logprobs, entropy = self._forward(mb, entropy=True)
                     old = mini_old[idx].to(self.device) if mini_old is not None else logprobs.detach()
@@ -158,10 +167,11 @@ class PolicyTrainer:
                     token_stats.add("actor/entropy", entropy.detach(), m)
                     token_stats.add("actor/is_weight_mean", is_w, m)
                     token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.optim.grad_clip)
+                grad_norm = parallel.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
                 grad_norms.append(float(grad_norm))
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
+        parallel.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
         self.scheduler.step()
         n_updates = actor.ppo_epochs * len(minibatches)
         metrics = {k: v / n_updates for k, v in loss_sums.items()}
@@ -175,6 +185,7 @@ class PolicyTrainer:
         metrics.update(shaping_metrics)
         if self.critic is not None:  # critic hook: value regression on the same mini-batches
             metrics.update(self.critic.update(batch, returns, values, minibatches))
+        self.par.end_op()
         return metrics
 
 

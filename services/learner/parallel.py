@@ -1,0 +1,713 @@
+"""The learner at scale: torch.distributed set-up, FSDP2, LoRA, streamed full weights, rank-0-led steps, packing.
+
+Process layout (``torchrun --nproc-per-node N -m rlbus.learner.main --config FILE``; one CPU process is
+the degenerate case and runs none of the distributed code):
+
+* **rank 0** runs the asyncio learner service (bus, dispatch, rollout replicas, the weight push). Each
+  time it needs the other ranks it *leads* one operation over the default process group:
+
+  ============  =====================================  ==============================================
+  op            payload                                 sent by
+  ============  =====================================  ==============================================
+  ``INIT``      ``{model_path, total_steps}``           ``PolicyTrainer.__init__`` (workers build theirs)
+  ``TRAIN``     the collated ``TrainBatch``             ``PolicyTrainer.train_step``
+  ``GATHER``    none                                    the first ``next()`` of ``named_weights()``
+  ``CALL``      ``{name, kwargs}`` (JSON)               ``DistContext.lead_call`` (e.g. a checkpoint)
+  ``STOP``      none                                    ``run_learner`` when the service returns
+  ============  =====================================  ==============================================
+
+* **rank k > 0** runs :func:`worker_main`: ``receive op -> run it`` until ``STOP``. It never touches NATS
+  or a replica; it trains on its share of every batch and takes part in every all-gather of the weights.
+
+An op is an int64 header broadcast from rank 0 on the CPU (gloo) side of the default group, then its
+payload (JSON bytes, then the batch tensors, all on the CPU side: a batch is token ids, a few MB). On GPU
+the default group is ``cpu:gloo,cuda:nccl``: workers idle in a gloo broadcast between steps (no NCCL
+watchdog fires while rank 0 waits minutes for rollouts) and FSDP's collectives run on NCCL.
+
+Data parallelism: every rank receives the whole batch, computes the advantages of the whole batch (GRPO
+groups never straddle ranks), then trains on its share of each mini-batch (sequences dealt longest first
+to the least-loaded rank). Losses are normalised by the mini-batch's GLOBAL token (or sequence) count
+divided by the world size, and FSDP averages gradients over ranks, so N ranks compute exactly the
+gradient one process computes on the same batch. Every rank must run the same number of forward and
+backward passes (each one is a collective): the micro-batch count is all-reduced (max) and a rank with
+fewer splits its largest micro-batch or, with nothing left, runs a masked dummy (zero loss, zero grad).
+
+Weights: :func:`full_state_items` yields ``(name, full tensor)`` one parameter at a time (a DTensor's
+``full_tensor()``), so a push never holds more than one unsharded parameter (plus the sender's bucket).
+With LoRA it yields the MERGED weights under the base model's names (``W + scale * B @ A``), so every
+rollout engine loads them as a plain state dict and never needs to know about adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from rlbus.config import RlbusConfig
+    from rlbus.learner.batch import TrainBatch
+
+OP_INIT, OP_TRAIN, OP_GATHER, OP_CALL, OP_STOP = 1, 2, 3, 4, 5
+_OP_NAMES = {OP_INIT: "INIT", OP_TRAIN: "TRAIN", OP_GATHER: "GATHER", OP_CALL: "CALL", OP_STOP: "STOP"}
+_MAGIC = 0x524C4255_534C4541  # "RLBUSLEA"
+DEFAULT_TIMEOUT_S = 3600.0
+
+_WORKER_OPS: dict[str, Callable[..., Any]] = {}
+
+
+def register_worker_op(name: str, fn: Callable[..., Any]) -> None:
+    """Make ``fn(trainer, **kwargs)`` runnable on the worker ranks by ``DistContext.lead_call(name, ...)``.
+
+    For work that is a collective under FSDP (a sharded checkpoint save/load with
+    ``torch.distributed.checkpoint``): rank 0 calls ``lead_call`` and then does its own part; every worker
+    runs ``fn`` with the same kwargs at the same point of the op sequence.
+    """
+    _WORKER_OPS[name] = fn
+
+
+# ------------------------------------------------------------------------------------------ process group
+
+
+@dataclass
+class DistContext:
+    """Who this process is. ``initialized`` means a default process group exists and FSDP2 is used."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    initialized: bool = False
+    _active_gather: _LedGather | None = field(default=None, repr=False)
+    mid_op: bool = field(default=False, repr=False)  # rank 0 is inside a led op (collectives under way)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.initialized and self.world_size > 1
+
+    @property
+    def leads_workers(self) -> bool:
+        return self.distributed and self.rank == 0
+
+    # -------------------------------------------------------------------------------------- wire
+
+    def _send_op(self, op: int, payload: dict | None = None) -> None:
+        data = json.dumps(payload).encode() if payload is not None else b""
+        header = torch.tensor([_MAGIC, op, len(data), 0], dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0)
+
+    def _recv_op(self) -> tuple[int, dict | None]:
+        header = torch.zeros(4, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        magic, op, nbytes, _ = (int(x) for x in header.tolist())
+        if magic != _MAGIC or op not in _OP_NAMES:
+            raise RuntimeError(f"rank {self.rank}: bad op header {header.tolist()}: the ranks are out of step")
+        payload = None
+        if nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            dist.broadcast(buf, src=0)
+            payload = json.loads(bytes(buf.numpy()))
+        return op, payload
+
+    def _finish_gather(self) -> None:
+        gen, self._active_gather = self._active_gather, None
+        if gen is not None:
+            gen.close()  # a started gather drains; a never-started one sent nothing
+
+    # ---------------------------------------------------------------------------------- leader side
+
+    def lead_init(self, model_path: Path | str, total_steps: int) -> None:
+        """Rank 0 builds its trainer: the workers build theirs from the same checkpoint and schedule."""
+        if self.leads_workers:
+            self._finish_gather()
+            self._send_op(OP_INIT, {"model_path": str(model_path), "total_steps": int(total_steps)})
+
+    def lead_train(self, batch: TrainBatch) -> TrainBatch:
+        """Rank 0: send the batch to every worker (they then run the same train_step). Identity elsewhere."""
+        if not self.leads_workers:
+            return batch
+        self._finish_gather()
+        self.mid_op = True
+        tensors, meta = _batch_parts(batch)
+        self._send_op(OP_TRAIN, meta)
+        for t in tensors:
+            dist.broadcast(t, src=0)
+        return batch
+
+    def end_op(self) -> None:
+        self.mid_op = False
+
+    def lead_gather(self, make_items: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> Iterator:
+        """Rank 0 of several: a lazy stream that tells the workers to gather alongside once it starts.
+
+        Creating it sends nothing (a push that fails before sending never desyncs anyone). A stream left
+        unfinished (the sender gave up mid-push) is drained by the next led op, so the ranks stay in step.
+        """
+        if not self.leads_workers:
+            return iter(make_items())
+        return _LedGather(self, make_items)
+
+    def lead_call(self, name: str, **kwargs: Any) -> None:
+        """Rank 0: run the registered worker op ``name`` on every worker (then do rank 0's own part)."""
+        if self.leads_workers:
+            self._finish_gather()
+            self._send_op(OP_CALL, {"name": name, "kwargs": kwargs})
+
+    def stop_workers(self) -> None:
+        """Rank 0: end every worker's loop. Skipped when a led op broke off halfway (the ranks are out of
+        step and a header would be read as that op's data): torchrun then tears the group down."""
+        if self.leads_workers:
+            self._finish_gather()
+            if not self.mid_op:
+                self._send_op(OP_STOP)
+
+    # ---------------------------------------------------------------------------------- collectives
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place on every rank (identity without a group). ``op``: sum, max, avg (via sum / world)."""
+        if not self.distributed:
+            return tensor
+        if op == "max":
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            if op == "avg":
+                tensor /= self.world_size
+        return tensor
+
+    def max_int(self, value: int) -> int:
+        if not self.distributed:
+            return int(value)
+        return int(self.all_reduce(torch.tensor([int(value)], dtype=torch.int64), "max").item())
+
+
+class _LedGather:
+    """Iterator of ``(name, full tensor)`` on rank 0 whose first ``next()`` starts the workers' gather."""
+
+    def __init__(self, ctx: DistContext, make_items: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        self.ctx = ctx
+        self.make_items = make_items
+        self.items: Iterator | None = None
+        self.done = False
+
+    def __iter__(self) -> _LedGather:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        if self.done:
+            raise StopIteration
+        ctx = self.ctx
+        if self.items is None:
+            ctx._finish_gather()
+            ctx.mid_op = True
+            ctx._send_op(OP_GATHER)
+            ctx._active_gather = self
+            self.items = iter(self.make_items())
+        try:
+            return next(self.items)
+        except StopIteration:
+            self._end()
+            raise
+        except BaseException:
+            self.done = True  # a collective failed: the ranks are out of step, mid_op stays set
+            raise
+
+    def close(self) -> None:
+        """Finish the gather without handing anything out (every rank iterates to the end together)."""
+        if self.items is not None and not self.done:
+            for _ in self.items:
+                pass
+            self._end()
+
+    def _end(self) -> None:
+        self.done = True
+        self.ctx.mid_op = False
+        if self.ctx._active_gather is self:
+            self.ctx._active_gather = None
+
+
+_CTX: DistContext | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Set up this process from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    WORLD_SIZE > 1: ``init_process_group`` (``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on GPU) with device
+    ``cuda:LOCAL_RANK``. One process on a GPU: a world of one (FSDP2 still gives mixed precision with fp32
+    master weights and CPU offload). One process on the CPU: no group at all, the plain module.
+    Idempotent: later calls return the same context.
+    """
+    global _CTX
+    if _CTX is not None:
+        return _CTX
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        _CTX = DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, True)
+    elif world > 1:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
+        _CTX = DistContext(rank, world, local_rank, device, True)
+    elif use_cuda:
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        _CTX = DistContext(0, 1, local_rank, device, True)
+    else:
+        _CTX = DistContext(0, 1, 0, device, False)
+    return _CTX
+
+
+def context(device: torch.device | str | None = None) -> DistContext:
+    """The process's context: the one ``init_distributed`` made, else the one a bare trainer needs.
+
+    A trainer built without ``init_distributed`` (tests, notebooks) on a CUDA device or under torchrun
+    initialises here; on the CPU it stays a plain single process on ``device``.
+    """
+    if _CTX is not None:
+        return _CTX
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dist.is_initialized() or _env_int("WORLD_SIZE", 1) > 1 or dev.type == "cuda":
+        return init_distributed("cuda" if dev.type == "cuda" else "cpu")
+    return DistContext(device=dev)
+
+
+def shutdown() -> None:
+    """Destroy the default group this module made (no-op otherwise)."""
+    global _CTX
+    ctx, _CTX = _CTX, None
+    if ctx is not None and ctx.initialized and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+
+def _batch_parts(batch: TrainBatch) -> tuple[list[torch.Tensor], dict]:
+    """The batch's tensors (CPU, contiguous) and a JSON description: any TrainBatch field travels."""
+    tensors, described, values = [], [], {}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous()
+            tensors.append(t)
+            described.append([f.name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+        else:
+            values[f.name] = v
+    return tensors, {"tensors": described, "values": values}
+
+
+def _recv_batch(meta: dict) -> TrainBatch:
+    from rlbus.learner.batch import TrainBatch
+
+    kwargs: dict[str, Any] = dict(meta["values"])
+    for name, dtype, shape in meta["tensors"]:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.broadcast(t, src=0)
+        kwargs[name] = t
+    return TrainBatch(**kwargs)
+
+
+def worker_main(cfg: RlbusConfig) -> int:
+    """Ranks > 0: follow rank 0's ops until STOP. Returns the exit code."""
+    ctx = context()
+    torch.manual_seed(cfg.trainer.seed)
+    trainer = None
+    while True:
+        op, payload = ctx._recv_op()
+        if op == OP_STOP:
+            return 0
+        if op == OP_INIT:
+            from rlbus.learner.trainer import PolicyTrainer
+
+            assert payload is not None
+            trainer = PolicyTrainer(cfg, Path(payload["model_path"]), ctx.device, payload["total_steps"])
+            continue
+        if trainer is None:
+            raise RuntimeError(f"rank {ctx.rank}: {_OP_NAMES[op]} before INIT")
+        if op == OP_TRAIN:
+            assert payload is not None
+            trainer.train_step(_recv_batch(payload))
+        elif op == OP_GATHER:
+            for _ in trainer.named_weights():
+                pass
+        elif op == OP_CALL:
+            assert payload is not None
+            fn = _WORKER_OPS.get(payload["name"])
+            if fn is None:
+                raise RuntimeError(f"rank {ctx.rank}: no worker op {payload['name']!r} is registered")
+            fn(trainer, **payload["kwargs"])
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContext) -> nn.Module:
+    """Load, then (as configured) gradient checkpointing, LoRA, FSDP2 per decoder layer and root.
+
+    FSDP2 whenever a process group exists. On a GPU with ``model.dtype`` bf16/fp16 the weights load in
+    fp32 (the optimizer's master copy) and ``MixedPrecisionPolicy(param_dtype=model.dtype,
+    reduce_dtype=fp32)`` computes in the low precision. Otherwise the weights load in ``model.dtype``.
+    ``actor.param_offload`` (or ``optimizer_offload``: FSDP2 offloads parameters, gradients and the
+    optimizer step together) keeps the shards on the CPU (``CPUOffloadPolicy``).
+    """
+    from rlbus.modeling import load_causal_lm, torch_dtype
+
+    mcfg = cfg.model
+    fsdp = ctx.initialized
+    mixed = fsdp and ctx.device.type == "cuda" and mcfg.dtype != "float32"
+    model = load_causal_lm(
+        model_path, "float32" if mixed else mcfg.dtype, "cpu" if fsdp else ctx.device, trainable=True,
+        trust_remote_code=mcfg.trust_remote_code,
+    )
+    if mcfg.enable_gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mcfg.lora_rank > 0:
+        model = apply_lora(model, mcfg.lora_rank, mcfg.lora_alpha, mcfg.target_modules, cfg.trainer.seed)
+    if fsdp:
+        shard_model(model, ctx, torch_dtype(mcfg.dtype) if mixed else None,
+                    offload=cfg.actor.param_offload or cfg.actor.optimizer_offload)
+    return model
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: int, target_modules: list[str] | str, seed: int) -> nn.Module:
+    """peft LoRA adapters; only they stay trainable. Initialised from ``seed`` so every rank agrees."""
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+                      task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, lcfg)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``_no_split_modules`` of the HF model): one FSDP unit each."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        for name, m in model.named_modules():
+            if name.endswith("layers") and isinstance(m, nn.ModuleList):
+                return list(m)
+    return layers
+
+
+def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype | None, offload: bool) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, a tied lm_head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
+                                          reduce_dtype=torch.float32 if param_dtype is not None else None),
+        "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
+    }
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+# ------------------------------------------------------------------------------------------ full weights
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank: a DTensor is all-gathered, anything else is returned as is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        mesh_type = t.device_mesh.device_type
+        local = t.to_local()
+        if local.device.type != mesh_type:  # CPU-offloaded shard: gather on the mesh's device
+            t = DTensor.from_local(local.to(mesh_type), t.device_mesh, t.placements, shape=t.shape,
+                                   stride=t.stride())
+        return t.full_tensor()
+    return t.detach()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _lora_delta(model: nn.Module, module_path: str) -> torch.Tensor | None:
+    """``scale * B @ A`` (in the base weight's layout) of the LoRA layer at ``module_path``, gathered."""
+    from peft.tuners.lora import LoraLayer
+
+    module = model.get_submodule(module_path)
+    if not isinstance(module, LoraLayer):
+        return None
+    deltas = []
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A:
+            if adapter in getattr(module, "lora_embedding_A", {}):
+                raise NotImplementedError("LoRA on embeddings: leave embed_tokens out of model.target_modules")
+            continue
+        a = _full(module.lora_A[adapter].weight).float()
+        b = _full(module.lora_B[adapter].weight).float()
+        if a.dim() != 2:
+            raise NotImplementedError(f"LoRA merge of {type(module).__name__} at {module_path}")
+        delta = (b @ a) * module.scaling[adapter]
+        deltas.append(delta.T if getattr(module, "fan_in_fan_out", False) else delta)
+    return sum(deltas) if deltas else None
+
+
+def full_state_items(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` in ``state_dict`` order, one at a time (then freed by the consumer).
+
+    Under FSDP2 every rank must iterate this to the end together (each item is an all-gather); every rank
+    gets the full tensor, which non-leader ranks drop at once. ``dtype`` casts floating tensors (the
+    push sends ``model.dtype`` even when the master weights are fp32). A LoRA model yields the merged
+    weights under the base model's names and no adapter tensors.
+    """
+    lora = is_lora(model)
+    for name, t in model.state_dict().items():
+        if not lora:
+            yield name, _cast(_full(t), dtype)
+            continue
+        parts = name.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            continue
+        base_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        full = _full(t)
+        if name.endswith(".base_layer.weight"):
+            delta = _lora_delta(model, name.removesuffix(".base_layer.weight"))
+            if delta is not None:
+                full = (full.float() + delta.to(full.device)).to(full.dtype)
+        yield base_name, _cast(full, dtype)
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that returns the GLOBAL norm as a plain tensor (DTensor grads under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+# ------------------------------------------------------------------------------------------ micro-batches
+
+
+def split_for_ranks(positions: Iterable[int], lengths: list[int], world: int) -> list[list[int]]:
+    """Longest sequence first onto the least-loaded rank (tokens, then count); each list kept in order."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    if world == 1:
+        return [list(positions)]
+    load = [(0, 0)] * world
+    for i in sorted(positions, key=lambda j: (-lengths[j], j)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] = (load[r][0] + lengths[i], load[r][1] + 1)
+    return [sorted(s) for s in shares]
+
+
+def token_bins(positions: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: micro-batches of at most ``max_tokens`` real tokens (a longer one goes alone)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(positions, key=lambda j: (-lengths[j], j)):
+        for k, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[k].append(i)
+                loads[k] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def equalize(bins: list[list[int]], target: int, lengths: list[int]) -> list[list[int]]:
+    """``target`` micro-batches: split the heaviest splittable one in two; ``[]`` (a dummy) when none is."""
+    bins = [list(b) for b in bins]
+    while len(bins) < target:
+        splittable = [k for k, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        k = max(splittable, key=lambda j: sum(lengths[i] for i in bins[j]))
+        b = sorted(bins.pop(k), key=lambda i: (-lengths[i], i))
+        left, right, lt, rt = [], [], 0, 0
+        for i in b:  # greedy halves by tokens
+            if lt <= rt:
+                left.append(i)
+                lt += lengths[i]
+            else:
+                right.append(i)
+                rt += lengths[i]
+        bins[k:k] = [sorted(left), sorted(right)]
+    return bins
+
+
+@dataclass
+class MicroBatch:
+    """Rows ``idx`` of the batch as the sub-batch ``batch``; unpacks as ``idx, batch``. A ``dummy`` (see
+    plan_micro_batches) has one real row whose response mask is zero: it only keeps the ranks in step."""
+
+    idx: list[int]
+    batch: TrainBatch
+    dummy: bool = False
+
+    def __iter__(self) -> Iterator:
+        return iter((self.idx, self.batch))
+
+
+def plan_micro_batches(
+    batch: TrainBatch, ctx: DistContext, micro_batch_size: int, packed: bool, max_tokens: int,
+    positions: Iterable[int] | None = None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of ``batch`` (or of its ``positions``), in the order to run them.
+
+    Padded: ``micro_batch_size`` sequences each. Packed (``model.use_remove_padding``): token-bounded by
+    ``max_tokens`` (``actor.ppo_max_token_len_per_gpu``). Under data parallelism each rank takes its share
+    first, and all ranks end with the same number of micro-batches (see the module docstring): a dummy
+    is a real sequence with its response mask zeroed, so it adds nothing to the loss or the gradient.
+    """
+    lengths = [int(x) for x in batch.attention_mask.sum(-1).tolist()]
+    pos = list(range(batch.size)) if positions is None else list(positions)
+    mine = split_for_ranks(pos, lengths, ctx.world_size)[ctx.rank] if ctx.distributed else pos
+    if packed:
+        bins = token_bins(mine, lengths, max_tokens)
+    else:
+        bins = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    if ctx.distributed:
+        bins = equalize(bins, ctx.max_int(len(bins)), lengths)
+    out = []
+    for b in bins:
+        if b:
+            out.append(MicroBatch(b, batch.select(b)))
+            continue
+        j = min(pos or range(batch.size), key=lambda i: (lengths[i], i))
+        dummy = batch.select([j])
+        dummy.response_mask = torch.zeros_like(dummy.response_mask)
+        out.append(MicroBatch([j], dummy, dummy=True))
+    return out
+
+
+def reduce_stats(ctx: DistContext, mean_sums: dict[str, float], *sum_dicts: dict[str, float]) -> None:
+    """In place, on every rank: ``mean_sums`` averaged over ranks, each of ``sum_dicts`` summed."""
+    if not ctx.distributed:
+        return
+    dicts = [mean_sums, *sum_dicts]
+    keys = [sorted(d) for d in dicts]
+    flat = torch.tensor([d[k] for d, ks in zip(dicts, keys, strict=True) for k in ks], dtype=torch.float64)
+    width = torch.tensor([flat.numel(), -flat.numel()], dtype=torch.int64)
+    ctx.all_reduce(width, "max")
+    if int(width[0]) != -int(width[1]):
+        raise RuntimeError("ranks report different metric keys: their train steps diverged")
+    ctx.all_reduce(flat, "sum")
+    i = 0
+    for n, (d, ks) in enumerate(zip(dicts, keys, strict=True)):
+        for k in ks:
+            d[k] = float(flat[i]) / (ctx.world_size if n == 0 else 1)
+            i += 1
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+def forward_logprobs(
+    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
+
+    Padded: the micro-batch is cut to its longest row (right padding makes that exact). Packed: all rows'
+    real tokens in ONE row with position ids restarting at 0 per sequence and no attention mask, which
+    transformers turns into a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the
+    values are scattered back into the padded layout (zeros off the real tokens).
+    """
+    from rlbus.modeling import token_logprobs
+
+    lengths = mb.attention_mask.sum(-1).long()
+    bsz, width = mb.input_ids.shape
+    if not packed:
+        w = max(int(lengths.max()), 2)
+        out = token_logprobs(model, mb.input_ids[:, :w].to(device), mb.attention_mask[:, :w].to(device),
+                             mb.position_ids[:, :w].to(device), mb.temperature, return_entropy=entropy)
+        lp, ent = out if entropy else (out, None)
+        pad = width - w
+        if pad:
+            lp = torch.nn.functional.pad(lp, (0, pad))
+            ent = torch.nn.functional.pad(ent, (0, pad)) if ent is not None else None
+        return lp, ent
+    keep = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L] real tokens (right padded)
+    ids = mb.input_ids[keep].unsqueeze(0)
+    pos = mb.position_ids[keep].unsqueeze(0)
+    out = token_logprobs(model, ids.to(device), None, pos.to(device), mb.temperature, return_entropy=entropy)
+    lp_p, ent_p = out if entropy else (out, None)
+    # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
+    offsets = torch.cumsum(lengths, 0) - lengths
+    n_pred = (lengths - 1).clamp(min=0)
+    rows = torch.repeat_interleave(torch.arange(bsz), n_pred)
+    cols = torch.cat([torch.arange(int(n)) for n in n_pred]) if bsz else torch.zeros(0, dtype=torch.long)
+    src = (torch.repeat_interleave(offsets, n_pred) + cols).to(device)
+    rows, cols = rows.to(device), cols.to(device)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        base = torch.zeros(bsz, width - 1, dtype=values.dtype, device=values.device)
+        return base.index_put((rows, cols), values[0, src])
+
+    return scatter(lp_p), scatter(ent_p) if ent_p is not None else None
+
+
+# ------------------------------------------------------------------------------------------ throughput
+
+
+def train_flops_per_token(config: Any, seq_len: float) -> float:
+    """Model FLOPs of forward + backward per token (6 N + causal attention 6 L H s), no recompute counted.
+
+    N counts every matmul weight (the lm_head too, not the embedding lookup); attention scores and the
+    weighted sum are 2 * 2 * s * H per layer forward for a causal mask (half of a full s x s), x3 with the
+    backward. Matches the PaLM-style MFU accounting up to the causal halving.
+    """
+    h = config.hidden_size
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * inter
+    n_matmul = layers * per_layer + h * config.vocab_size
+    attn = 6 * layers * heads * head_dim * seq_len  # causal: 2 matmuls x 2 flops x s/2 x 3 (fwd+bwd)
+    return 6.0 * n_matmul + attn
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: int = 1) -> float:
+    return tokens_per_s * flops_per_token / (peak_flops * world) if peak_flops > 0 else math.nan
