@@ -6,7 +6,9 @@ weights; with async_level=0 that makes every trained sample exactly on-policy.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ class Ledger:
     trained: dict[str, int] = field(default_factory=dict)  # prompt id -> step it was trained in
     dropped: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
     duplicates: int = 0
+    leftovers: int = 0  # results of work a crashed learner attempt dispatched: superseded, acked, never trained
 
     @property
     def in_flight(self) -> int:
@@ -34,16 +37,41 @@ class Ledger:
     def dropped_count(self, reason: str) -> int:
         return sum(1 for r in self.dropped.values() if r == reason)
 
+    def to_dict(self) -> dict:
+        return {"dispatched": dict(self.dispatched), "trained": dict(self.trained), "dropped": dict(self.dropped),
+                "duplicates": self.duplicates, "leftovers": self.leftovers}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Ledger:
+        return cls(dict(raw["dispatched"]), dict(raw["trained"]), dict(raw["dropped"]), int(raw.get("duplicates", 0)),
+                   int(raw.get("leftovers", 0)))
+
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"dispatched": self.dispatched, "trained": self.trained, "dropped": self.dropped,
-                                   "duplicates": self.duplicates}))
+        tmp.write_text(json.dumps(self.to_dict()))
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> Ledger:
-        raw = json.loads(path.read_text())
-        return cls(raw["dispatched"], raw["trained"], raw["dropped"], raw.get("duplicates", 0))
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def settle_for_resume(self) -> list[int]:
+        """On resume from a checkpoint of this ledger: the prompts then in flight are dropped ('resumed')
+        and their data indices returned, oldest first, for the learner to dispatch again under new ids.
+
+        Whatever the crashed attempt made of them (or of anything it dispatched after the checkpoint)
+        then meets a settled or unknown prompt id and is acked as a leftover, never trained.
+        """
+        again = sorted(idx for pid, idx in self.dispatched.items() if not self.is_settled(pid))
+        for pid in self.dispatched:
+            if not self.is_settled(pid):
+                self.dropped[pid] = "resumed"
+        return again
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of the prompt at data position `index` (rollout.seed_per_prompt)."""
+    return (int(seed) * 1_000_003 + int(index)) % (2**31 - 1)
 
 
 class Dispatcher:
@@ -56,6 +84,16 @@ class Dispatcher:
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_tokens=cfg.data.max_response_length, stop=list(r.stop))
+        self.id_tag = ""  # per learner attempt ("a1-" after the first): JetStream dedups msg ids for minutes
+        self.requeue: deque[int] = deque()  # data indices to dispatch again before new ones (after a resume)
+
+    def _next_item(self):
+        """The next prompt: a re-dispatch after a resume first, then the loader's order."""
+        if self.requeue:
+            again = copy.copy(self.loader)  # the same records and order, at that position
+            again.position = self.requeue.popleft()
+            return again.next()
+        return self.loader.next()
 
     @property
     def target_in_flight(self) -> int:
@@ -67,15 +105,18 @@ class Dispatcher:
 
         sent = 0
         while self.ledger.in_flight < self.target_in_flight and (limit is None or sent < limit):
-            item = self.loader.next()
+            item = self._next_item()
             prompt_ids = self.tokenizer(item.prompt, add_special_tokens=False)["input_ids"]
             if len(prompt_ids) > self.cfg.data.max_prompt_length:
                 prompt_ids = prompt_ids[-self.cfg.data.max_prompt_length :]
-            prompt_id = f"{self.cfg.run.id}-p{item.index}"
+            prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}"
+            sampling = self.sampling  # unseeded: replicas batch it with other work
+            if self.cfg.rollout.seed_per_prompt:
+                sampling = sampling.model_copy(update={"seed": prompt_seed(self.cfg.rollout.seed, item.index)})
             work = PromptWork(
                 run_id=self.cfg.run.id, prompt_id=prompt_id, index=item.index, step=step,
                 min_policy_version=version, prompt_ids=prompt_ids, prompt_text=item.prompt, meta=item.meta,
-                n=self.cfg.rollout.n, sampling=self.sampling,  # unseeded: replicas batch it with other work
+                n=self.cfg.rollout.n, sampling=sampling,
             )
             await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
             self.ledger.dispatched[prompt_id] = item.index
@@ -90,7 +131,7 @@ class Dispatcher:
         pending: dict[str, int] = {}
         for i, (prompt, meta) in enumerate(records):
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"][-self.cfg.data.max_prompt_length :]
-            prompt_id = f"{self.cfg.run.id}-v{step}-{i}"
+            prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}"
             work = PromptWork(
                 run_id=self.cfg.run.id, prompt_id=prompt_id, index=i, step=step, min_policy_version=version,
                 prompt_ids=prompt_ids, prompt_text=prompt, meta=meta, n=1, sampling=greedy, split="val",

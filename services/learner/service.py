@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
 from rlbus.config import RlbusConfig
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.messages import ReadyGroup, encode
@@ -16,6 +18,7 @@ from rlbus.service import ServiceContext
 
 WAIT_LOG_EVERY_S = 10.0
 KEEPALIVE_EVERY_S = 10.0
+ATTEMPTS_KEY = "learner_attempts"  # KV fact: learner starts of this run id (kept across the fresh purge)
 
 
 def write_frames(frames: list[bytes]) -> bytes:
@@ -73,6 +76,9 @@ class Learner:
         self.run_dir = ctx.run_dir
         self.ledger = Ledger()
         self.version = 0
+        self.start_step = 0  # training steps already done (a resumed checkpoint's step)
+        self.attempt = 0  # learner starts of this run id before this one
+        self.resumed_from: Path | None = None
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_results: list[tuple[float, bool]] = []
         self.overflow: list = []  # ready groups received while a full batch waited for validation
@@ -90,7 +96,8 @@ class Learner:
 
         torch.manual_seed(cfg.trainer.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        await self.ctx.bus.purge_run()  # a fresh run never trains on a previous run's leftovers
+        self.resumed_from = self._resume_target()
+        await self._prepare_bus(fresh=self.resumed_from is None)
         model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(model_path)
         records = load_split(cfg.data, "train")
@@ -100,6 +107,9 @@ class Learner:
         device = pick_device(cfg.trainer.device)
         self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
         self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
+        self.dispatcher.id_tag = f"a{self.attempt}-" if self.attempt else ""
+        if self.resumed_from is not None:
+            await self._restore(self.resumed_from)
         self.pusher = WeightPusher(self.ctx, "nccl" if device.type == "cuda" else "gloo")
         self.writer = MetricsWriter(self.run_dir, cfg.trainer.logger, self.total_steps, cfg.trainer.project_name,
                                     cfg.trainer.experiment_name)
@@ -109,8 +119,80 @@ class Learner:
             Stage.READY, durable="learner", expected=ReadyGroup, ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
             max_deliver=self.cfg.bus.max_deliver,
         )
-        await self.ctx.state.set_policy_version(0)
+        await self.ctx.state.set_policy_version(self.version)
+        self.ctx.policy_version = self.version
+        if self.resumed_from is not None:
+            await self._push_restored()
         self.ctx.status = "ready"
+
+    # ------------------------------------------------------------------ checkpoints and resume
+
+    def _resume_target(self) -> Path | None:
+        from rlbus.learner.checkpoint import resume_target
+
+        return resume_target(self.run_dir, self.cfg.trainer.resume_mode, self.ctx.log)
+
+    async def _prepare_bus(self, fresh: bool) -> None:
+        """A fresh start empties the run's streams; a resume keeps them (replica heartbeats, weight
+        announcements, the DLQ, results in flight) but drops the crashed attempt's queued prompt work: all
+        of it is superseded, and it may ask for policy versions the resumed learner has not reached."""
+        from rlbus.bus import Stage
+
+        state = self.ctx.state
+        self.attempt = int(await state.get_json(ATTEMPTS_KEY, 0) or 0)
+        if fresh:
+            await self.ctx.bus.purge_run()  # a fresh run never trains on a previous run's leftovers
+        else:
+            with contextlib.suppress(Exception):
+                await self.ctx.bus.js.purge_stream(self.ctx.bus.names.stream(Stage.PROMPTS))
+        await state.put_json(ATTEMPTS_KEY, self.attempt + 1)  # prompt ids of the next start differ
+
+    async def _restore(self, path: Path) -> None:
+        from rlbus.learner.checkpoint import load_checkpoint, rewind_metrics
+
+        t0 = time.perf_counter()
+        extra = await asyncio.to_thread(load_checkpoint, path, self.trainer)
+        self.start_step = int(extra["step"])
+        self.version = int(extra["policy_version"])
+        self.loader.load_state_dict(extra["loader"])
+        self.ledger = Ledger.from_dict(extra["ledger"])
+        self.dispatcher.ledger = self.ledger
+        again = self.ledger.settle_for_resume()
+        self.dispatcher.requeue.extend(again)
+        rewind_metrics(self.run_dir, self.start_step)
+        self.ledger.save(self.run_dir / "ledger.json")
+        self.ctx.log.info("resumed from checkpoint", path=str(path), step=self.start_step, version=self.version,
+                          loader_position=self.loader.position, redispatch=len(again), attempt=self.attempt,
+                          seconds=round(time.perf_counter() - t0, 2))
+
+    async def _push_restored(self) -> None:
+        """Replicas may hold newer weights (the crashed attempt pushed after the checkpoint): push the
+        restored ones at once, at the restored version, in a group epoch no replica has seen."""
+        from rlbus.messages import WeightAnnouncement, decode
+
+        raw = await self.ctx.state.get_announcement()
+        if raw:
+            with contextlib.suppress(Exception):
+                self.pusher.epoch = max(self.pusher.epoch, decode(raw, WeightAnnouncement).epoch)
+        ok = await self.pusher.push(self._named_weights, self.version)
+        self.ctx.log.info("restored weights pushed" if ok else "restored weights push failed; will retry",
+                          version=self.version)
+
+    def _should_save(self, done: int) -> bool:
+        freq = self.cfg.trainer.save_freq
+        return freq > 0 and (done % freq == 0 or done == self.total_steps)
+
+    async def checkpoint(self, done: int) -> Path:
+        from rlbus.learner.checkpoint import checkpoint_root, prune_checkpoints, save_checkpoint, step_dir
+
+        extra = {"step": done, "policy_version": self.version, "loader": self.loader.state_dict(),
+                 "ledger": self.ledger.to_dict(), "attempt": self.attempt, "run_id": self.cfg.run.id}
+        root = checkpoint_root(self.run_dir)
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer)
+        await asyncio.to_thread(prune_checkpoints, root, self.cfg.trainer.max_ckpt_to_keep)
+        self.ctx.log.info("checkpoint saved", step=done, path=str(path), seconds=round(time.perf_counter() - t0, 2))
+        return path
 
     def _named_weights(self):
         return self.trainer.named_weights()
@@ -148,10 +230,14 @@ class Learner:
             await d.ack()
             return
         lag = self.version - group.scored.trajectories.policy_version
-        if pid not in self.ledger.dispatched or self.ledger.is_settled(pid) or \
-                any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
-            self.ledger.duplicates += 1  # a redelivery raced its ack, or another run's leftover
+        if pid not in self.ledger.dispatched or self.ledger.dropped.get(pid) == "resumed":
+            self.ledger.leftovers += 1  # work of an earlier learner attempt: superseded, never trained
             await d.ack()
+        elif self.ledger.is_settled(pid) or any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
+            self.ledger.duplicates += 1  # a redelivery raced its ack
+            await d.ack()
+        elif lag < 0:  # made with weights of a crashed attempt newer than the checkpoint
+            await self._settle(d, "future_version")
         elif lag > self.cfg.trainer.async_level:
             await self._settle(d, "stale")
         elif self.cfg.algorithm.dynamic_sampling and len(set(group.scored.rewards)) == 1:
@@ -225,13 +311,14 @@ class Learner:
         pad_id = int(self.tokenizer.pad_token_id)
         ledger_path = self.run_dir / "ledger.json"
         tokens_total, t_run = 0, time.perf_counter()
-        for step in range(self.total_steps):
+        for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             validate = (step == 0 and cfg.trainer.val_before_train) or (
                 cfg.trainer.test_freq > 0 and step > 0 and step % cfg.trainer.test_freq == 0)
             if validate:
                 await self.start_validation(step)
-            deliveries = await self.gather(step)
+            # in data order, so a batch trains the same whatever order its groups arrived in
+            deliveries = sorted(await self.gather(step), key=lambda d: d.message.scored.trajectories.work.index)
             t_gathered = time.perf_counter()
             groups = [d.message for d in deliveries]
             batch = collate(groups, pad_id)
@@ -262,9 +349,15 @@ class Learner:
                 "weights/push_failures": float(self.pusher.failures),
                 "prompts/dispatched": float(len(self.ledger.dispatched)),
                 "prompts/trained": float(len(self.ledger.trained)),
+                "prompts/leftovers": float(self.ledger.leftovers),
             })
             self.writer.log(step + 1, metrics)
             self.ledger.save(ledger_path)
+            if self._should_save(step + 1):
+                await self.checkpoint(step + 1)
+        from rlbus.learner.export import save_hf
+
+        await asyncio.to_thread(save_hf, self.trainer.model, self.tokenizer, self.run_dir / "final")
         if cfg.trainer.test_freq > 0 and self.val_records:
             await self.start_validation(self.total_steps)
             await self.gather(self.total_steps, need=0)

@@ -59,6 +59,9 @@ class RolloutConfig(Section):
     prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
     replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
     seed: int = 0
+    seed_per_prompt: bool = Field(
+        False, description="seed each prompt's sampling from (seed, data index): the same samples whoever "
+        "generates it and whenever (reproducible runs and resumes); slower, seeded requests run alone")
     tensor_model_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     max_num_seqs: int = Field(256, ge=1)

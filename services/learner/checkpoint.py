@@ -1,0 +1,415 @@
+"""Learner checkpoints: model + optimizer through torch.distributed.checkpoint (DCP), the rest as JSON.
+
+Layout of one checkpoint, `<run_dir>/checkpoints/step_N/` (N = training steps completed):
+
+    state/              DCP files of {"model": ..., "optim": ...} (sharded per rank under FSDP2)
+    rng_rank{R}.json    torch (CPU and CUDA), numpy and python RNG states of rank R
+    meta.json           lr scheduler state, KL controller value and the caller's `extra`
+                        (step, policy version, data-loader position, ledger, ...)
+    hf/                 config, generation config and tokenizer files (what `export_hf` needs)
+    COMPLETE            written last: a directory without it is never loaded
+
+Atomicity: everything is written to `step_N.tmp/`, the marker last, then the directory is renamed to
+`step_N/`. A crash while saving leaves at most a `.tmp` directory, which `latest_checkpoint` ignores
+and the next save or `prune_checkpoints` removes. Model and optimizer go through
+`get_state_dict`/`set_state_dict`, so the same code saves a plain module, DDP or FSDP2 (sharded DTensors,
+one DCP shard per rank, written collectively); JSON files are written by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+COMPLETE_MARKER = "COMPLETE"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the model it is loaded into."""
+
+
+# ------------------------------------------------------------------------------------------ locations
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIRNAME
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{int(step)}"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / COMPLETE_MARKER).is_file() and bool(_STEP_RE.match(path.name))
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under `root`, oldest first. Half-written ones are skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and is_complete(child):
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete step dir as given, or the latest one under a checkpoints root or a run dir."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    for root in (path, path / CHECKPOINTS_DIRNAME):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    if path.is_dir() and _STEP_RE.match(path.name):
+        raise CheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): a save was interrupted")
+    raise CheckpointError(f"no complete checkpoint at {path} (expected step_N/ with a {COMPLETE_MARKER} file)")
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    m = _STEP_RE.match(Path(path).name)
+    if not m:
+        raise CheckpointError(f"{path} is not a step_N checkpoint directory")
+    return int(m.group(1))
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Removes all but the newest `keep` complete checkpoints, and stale `.tmp`/`.old` leftovers."""
+    if _rank() != 0:
+        return []
+    root = Path(root)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for child in root.iterdir():
+        if child.is_dir() and re.match(r"^step_\d+\.(tmp|old)$", child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    found = list_checkpoints(root)
+    for _, path in found[: max(0, len(found) - max(1, int(keep)))]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# ------------------------------------------------------------------------------------------ distributed
+
+
+def _dist_on() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist_on() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist_on() else 1
+
+
+def _barrier() -> None:
+    if _dist_on():
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it 'assumes a single process' when no group is up: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled, unavailable or uninit.*")
+        yield
+
+
+# ------------------------------------------------------------------------------------------ small files
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the learner touches, JSON-able."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [_unb64(s) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ------------------------------------------------------------------------------------------ save / load
+
+
+def hf_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP / torch.compile wrappers (FSDP2 shards in place: no wrapper)."""
+    seen = 0
+    while seen < 8 and not hasattr(model, "config"):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            break
+        model, seen = inner, seen + 1
+    return model
+
+
+def _save_hf_files(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """Config, generation config and tokenizer (no weights): the non-tensor half of an HF directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    inner = hf_module(model)
+    config = getattr(inner, "config", None)
+    if config is not None:
+        config.save_pretrained(out)
+    gen = getattr(inner, "generation_config", None)
+    if gen is not None:
+        with contextlib.suppress(Exception):  # an invalid generation config must not block a checkpoint
+            gen.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    else:  # the tokenizer files beside the model the trainer was loaded from, when that is a local dir
+        src = Path(str(getattr(config, "_name_or_path", "") or getattr(inner, "name_or_path", "") or ""))
+        if src.is_dir():
+            for f in src.iterdir():
+                if f.is_file() and (f.name.startswith("tokenizer") or f.name in (
+                        "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
+                    shutil.copy2(f, out / f.name)
+
+
+def _trainer_state(trainer: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sched = getattr(trainer, "scheduler", None)
+    if sched is not None:
+        out["scheduler"] = sched.state_dict()
+    kl = getattr(trainer, "kl_ctrl", None)
+    if kl is not None:
+        out["kl_coef"] = float(kl.value)
+    return out
+
+
+def save_checkpoint(path: str | os.PathLike, trainer: Any, extra: dict[str, Any] | None = None,
+                    tokenizer: Any = None) -> Path:
+    """Writes `trainer` (model, optimizer, scheduler, KL controller), the RNG states and `extra` to `path`.
+
+    `path` is the final step directory (`step_dir(root, step)`); it appears only once complete. `extra`
+    must be JSON-able. Under torch.distributed every rank calls this (DCP saves collectively).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = Path(path)
+    if not _STEP_RE.match(path.name):
+        raise CheckpointError(f"checkpoint dir must be named step_N, got {path.name!r}")
+    tmp = path.with_name(path.name + ".tmp")
+    rank = _rank()
+    t0 = time.perf_counter()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    _write_json(tmp / f"rng_rank{rank}.json", rng_state())
+    if rank == 0:
+        meta = {"format": FORMAT_VERSION, "world_size": _world(), "saved_at": time.time(),
+                "trainer": _trainer_state(trainer), "extra": extra or {}}
+        _write_json(tmp / "meta.json", meta)
+        _save_hf_files(trainer.model, tokenizer, tmp / "hf")
+    _barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        _write_json(tmp / COMPLETE_MARKER, {"files": files, "seconds": time.perf_counter() - t0})
+        _fsync_dir(tmp)
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # the same step saved again (a resumed run got here a second time)
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+        tmp.rename(path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    return json.loads((path / "meta.json").read_text())
+
+
+def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = True) -> dict[str, Any]:
+    """Restores what `save_checkpoint` wrote into an already built `trainer`; returns the saved `extra`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}")
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path / "state"))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: model/optimizer state does not fit this trainer: {exc}") from exc
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    tstate = meta.get("trainer", {})
+    sched = getattr(trainer, "scheduler", None)
+    if sched is not None and "scheduler" in tstate:
+        sched.load_state_dict(tstate["scheduler"])
+    kl = getattr(trainer, "kl_ctrl", None)
+    if kl is not None and "kl_coef" in tstate:
+        kl.value = float(tstate["kl_coef"])
+    if restore_rng:
+        rng_file = path / f"rng_rank{_rank()}.json"
+        if not rng_file.is_file():
+            rng_file = path / "rng_rank0.json"
+        set_rng_state(json.loads(rng_file.read_text()))
+    return meta.get("extra", {})
+
+
+def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint as plain full CPU tensors, in one process, whatever wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    reader = dcp.FileSystemReader(str(path / "state"))
+    metadata = reader.read_metadata()
+    target: dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
+            target[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
+    if not target:
+        raise CheckpointError(f"{path}: no model tensors in the DCP metadata")
+    with _single_process_quiet():
+        dcp.load({"model": target}, storage_reader=reader, no_dist=True)
+    return target
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+SUPERSEDED_METRICS = "metrics.superseded.jsonl"
+
+
+def resume_target(run_dir: str | os.PathLike, mode: str, log: Any = None) -> Path | None:
+    """trainer.resume_mode: auto = the latest complete checkpoint under the run dir if any (else None: a
+    fresh start), disable = None, anything else = that checkpoint (an error when it is not a complete one).
+
+    A `disable` start moves earlier checkpoints aside, so a later `auto` never resumes another run's steps.
+    """
+    root = checkpoint_root(run_dir)
+    mode = str(mode)
+    if mode == "auto":
+        return latest_checkpoint(root)
+    if mode == "disable":
+        if _rank() == 0 and list_checkpoints(root):
+            aside = root.with_name(f"{root.name}.superseded-{int(time.time())}")
+            root.rename(aside)
+            if log is not None:
+                log.warning("fresh start: earlier checkpoints moved aside", path=str(aside))
+        return None
+    return resolve_checkpoint(mode)
+
+
+def rewind_metrics(run_dir: str | os.PathLike, step: int) -> int:
+    """On resume from `step`: metrics.jsonl keeps its rows of steps <= `step`; later rows (the crashed
+    attempt's steps, which the resumed run does again) move to metrics.superseded.jsonl. A line the
+    crash cut short is dropped. Returns how many rows moved. New rows then append as usual, so every
+    step appears once per lineage (the final validation row repeats the last step, as in any run)."""
+    from rlbus.metrics_log import METRICS_FILE
+
+    path = Path(run_dir) / METRICS_FILE
+    if _rank() != 0 or not path.exists():
+        return 0
+    keep, gone = [], []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        (keep if int(row.get("step", 0)) <= step else gone).append(line)
+    if gone:
+        with open(Path(run_dir) / SUPERSEDED_METRICS, "a") as f:
+            f.write("".join(f"{line}\n" for line in gone))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep))
+    tmp.replace(path)
+    return len(gone)
