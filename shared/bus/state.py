@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -27,6 +27,13 @@ ANNOUNCE_KEY = "weights.announce"
 HEARTBEAT_PREFIX = "hb"
 FACT_PREFIX = "fact"
 _SCAN_TIMEOUT_S = 5.0
+T = TypeVar("T")
+
+
+async def _retry(what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    from rlbus.bus.transport import with_retry  # transport imports this module
+
+    return await with_retry(what, fn)
 
 
 class RunState:
@@ -57,8 +64,8 @@ class RunState:
     # ------------------------------------------------------------ policy version
 
     async def set_policy_version(self, version: int) -> int:
-        """Record the learner's current policy version; returns the KV revision."""
-        return await self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version)))
+        """Record the learner's current policy version (retried through a reconnect); returns the KV revision."""
+        return await _retry("kv put policy version", lambda: self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version))))
 
     async def get_policy_version(self, default: int = 0) -> int:
         raw = await self._get(POLICY_VERSION_KEY)
@@ -67,8 +74,8 @@ class RunState:
     # ------------------------------------------------------------ weight announcements
 
     async def put_announcement(self, data: bytes) -> int:
-        """Store an encoded WeightAnnouncement (bytes from rlbus.messages.encode)."""
-        return await self.kv.put(ANNOUNCE_KEY, data)
+        """Store an encoded WeightAnnouncement (bytes from rlbus.messages.encode), retried through a reconnect."""
+        return await _retry("kv put announcement", lambda: self.kv.put(ANNOUNCE_KEY, data))
 
     async def get_announcement(self) -> bytes | None:
         return await self._get(ANNOUNCE_KEY)
@@ -122,10 +129,13 @@ class RunState:
                     log.debug("bus.watch_stop", error=str(exc))
 
     async def _entry(self, key: str) -> KeyValue.Entry | None:
-        try:
-            return await self.kv.get(key)
-        except (KeyNotFoundError, NotFoundError):
-            return None
+        async def get() -> KeyValue.Entry | None:
+            try:
+                return await self.kv.get(key)
+            except (KeyNotFoundError, NotFoundError):
+                return None
+
+        return await _retry(f"kv get {key}", get)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -138,7 +148,10 @@ class RunState:
         return await self.kv.put(self._hb_key(hb.service, hb.instance_id), encode(hb))
 
     async def _scan(self, pattern: str) -> list[tuple[str, bytes]]:
-        """Current (key, value) pairs matching a KV key pattern."""
+        """Current (key, value) pairs matching a KV key pattern (retried through a reconnect)."""
+        return await _retry(f"kv scan {pattern}", lambda: self._scan_once(pattern))
+
+    async def _scan_once(self, pattern: str) -> list[tuple[str, bytes]]:
         watcher = await self.kv.watch(pattern, ignore_deletes=True)
         out: list[tuple[str, bytes]] = []
         try:

@@ -57,6 +57,10 @@ DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 MAX_REASON_CHARS = 1000
 PUBLISH_DEADLINE_S = 30.0
 """How long a publish (or ack) keeps retrying through a reconnect before it raises."""
+ACK_TIMEOUT_S = 2.0
+"""Wait for an ack's answer; an unanswered ack is then checked against the stream, so this can be short."""
+ACK_IGNORED_TRIES = 2
+"""Unanswered acks, with the server up and the delivery still pending, before an ack is given up on."""
 
 CLAIM_HEADER = "Rlbus-Claim"
 CLAIM_SIZE_HEADER = "Rlbus-Claim-Size"
@@ -175,13 +179,45 @@ class Delivery:
         self.settled = True
         return True
 
-    async def ack(self, timeout: float = 5.0) -> None:
-        """Ack and wait for the server's confirmation, then drop the claim-check object."""
+    async def ack(self, timeout: float = ACK_TIMEOUT_S) -> bool:
+        """Ack and wait for the server's confirmation, then drop the claim-check object.
+
+        Through a NATS restart an ack may go unanswered: its reply was lost, or the restarted server
+        lost the delivery (a crash rolls consumer state back) and ignores acks for it. Every work
+        stream is a work queue, so an acked item has left its stream: that is checked after each
+        unanswered try. An ack that cannot be confirmed is logged and given up on (returns False)
+        instead of raising: the item comes back by redelivery, and every stage deduplicates (msg ids,
+        the learner's ledger). Its claim-check object is then kept for the redelivery.
+        """
         if not self._settle():
-            return
-        await with_retry("ack", lambda: self.raw.ack_sync(timeout=timeout))
-        if self.claim:
+            return True
+        confirmed = await self._ack_through_reconnects(timeout)
+        if confirmed and self.claim:
             await self._consumer.bus._delete_claim(self.claim)
+        return confirmed
+
+    async def _ack_through_reconnects(self, timeout: float) -> bool:
+        deadline = time.monotonic() + PUBLISH_DEADLINE_S
+        delay, ignored = 0.1, 0
+        while True:
+            try:
+                await self.raw.ack_sync(timeout=timeout)
+                return True
+            except RETRYABLE as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            fate = await self._consumer.bus._ack_fate(self.raw)
+            if fate == "gone":
+                return True  # the ack got through; only its answer was lost
+            if fate == "pending":
+                ignored += 1  # the server answers, still holds the delivery, and did not answer our ack
+            if fate == "forgotten" or ignored >= ACK_IGNORED_TRIES or time.monotonic() + delay >= deadline:
+                log.warning("bus.ack_unconfirmed", stage=self._consumer.stage.value, seq=self.stream_seq,
+                            error=error, fate=fate or "server away",
+                            note="the item will be redelivered and deduplicated downstream")
+                return False
+            log.warning("bus.retry", what="ack", error=error, retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def nak(self, delay: float | None = None) -> None:
         """Ask for redelivery (after `delay` s). On the last allowed delivery it dead-letters instead."""
@@ -554,6 +590,24 @@ class Bus:
         if isinstance(subject, Stage) or subject in {s.value for s in Stage}:
             subject = self.names.subject(subject)
         return await self.js.publish(subject, data, headers=headers)
+
+    async def _ack_fate(self, msg: Msg) -> str | None:
+        """After an unanswered ack: 'gone' (it left its work-queue stream: acked), 'forgotten' (the
+        consumer's delivered pointer is below it: a restarted server lost this delivery and will make
+        a new one), 'pending', or None when the server cannot be asked."""
+        meta = msg.metadata
+        seq = int(meta.sequence.stream)
+        try:
+            try:
+                await self.js.get_msg(meta.stream, seq=seq)
+            except NotFoundError:
+                return "gone"
+            info = await self.js.consumer_info(meta.stream, meta.consumer)
+        except Exception as exc:  # the server is away again
+            log.debug("bus.ack_check_failed", stream=meta.stream, error=f"{type(exc).__name__}: {exc}")
+            return None
+        delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
+        return "forgotten" if delivered < seq else "pending"
 
     async def _get_claim(self, name: str) -> bytes:
         try:

@@ -1,0 +1,189 @@
+"""Faults against real NATS servers of the test's own: a server restart mid-run, hostile bytes on work subjects.
+
+Every test here uses `private_nats` (own port, own storage): the shared server on 4222 is never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from e2e_utils import Run, make_config
+
+from rlbus import codec
+from rlbus.bus import Bus, LocalNatsServer, Stage
+from rlbus.bus.transport import CLAIM_HEADER, CLAIM_SIZE_HEADER
+from rlbus.config import RlbusConfig
+from rlbus.messages import SCHEMA_VERSION, PromptWork, SamplingParams, encode
+
+STEPS, BATCH = 8, 8
+RUN = [
+    f"trainer.total_training_steps={STEPS}", f"data.train_batch_size={BATCH}", "rollout.n=4",
+    "rollout.prompts_per_batch=4", "trainer.async_level=1", "trainer.val_before_train=false", "trainer.test_freq=0",
+]
+
+
+def _check_ledger(run: Run) -> dict:
+    ledger = run.ledger()
+    dispatched, trained, dropped = set(ledger["dispatched"]), set(ledger["trained"]), set(ledger["dropped"])
+    assert len(trained) == STEPS * BATCH, f"trained {len(trained)} prompts, want {STEPS * BATCH}"
+    assert trained.isdisjoint(dropped)
+    assert dispatched == trained | dropped, "every dispatched prompt is trained on or explicitly dropped"
+    return ledger
+
+
+def _logs(run: Run) -> str:
+    return "\n".join(f"===== {p.name}\n{run.logs(p.name, 40)}" for p in run.procs)
+
+
+@pytest.mark.timeout(240)
+def test_nats_restart_and_crash_mid_run_lose_no_work(
+    private_nats: LocalNatsServer, run_id: str, tmp_path: Path
+) -> None:
+    """A graceful restart at step 3 and a crash (SIGKILL) at step 5, each with 2 s of outage."""
+    cfg = make_config(private_nats.url, run_id, tmp_path, RUN)
+    with Run(cfg) as run:
+        run.wait_for_step(3, 150)
+        private_nats.stop()  # SIGTERM: JetStream flushes its file store; the port stays ours
+        time.sleep(2.0)  # every service sees the outage, not just a blip
+        private_nats.start()
+        run.wait_for_step(5, 120)
+        private_nats.kill()  # a crash: consumer state on disk may be behind what was delivered
+        time.sleep(2.0)
+        private_nats.start()
+        rc = run.wait_learner(180)
+        assert rc == 0, _logs(run)
+        assert all(p.alive for p in run.procs if p.name != "learner"), _logs(run)
+        _check_ledger(run)
+        rows = [r for r in run.metrics() if "reward/mean" in r]
+        assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+        text = _logs(run)
+        assert text.count("bus.reconnected") >= 6, text  # each of the three services, twice
+        assert "Traceback" not in text, text
+
+
+MiB = 1024 * 1024
+FLOOD = 10_000
+
+
+def _junk(run_id: str) -> list[tuple[bytes, dict[str, str] | None, str]]:
+    """(payload, headers, expected reason fragment) of every hostile message but the flood."""
+    work = PromptWork(run_id=run_id, prompt_id="intruder", index=0, step=0, min_policy_version=0,
+                      prompt_ids=[1, 2], n=1, sampling=SamplingParams())
+    return [
+        (b"\xc1 not msgpack at all", None, "not a msgpack frame"),
+        (b"", None, "not a msgpack frame"),
+        (b"\xc1" * (7 * MiB), None, "not a msgpack frame"),  # oversized: near the 8 MiB max_payload
+        (b"\xc6\xff\xff\xff\xff" + b"x" * 16, None, "not a msgpack frame"),  # claims a 4 GiB binary
+        (b"\x91" * 100_000, None, "not a msgpack frame"),  # nested 100k deep
+        (codec.pack({"hello": "world"}), None, "not an rlbus envelope"),
+        (codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION + 1, "body": {}}), None,
+         f"schema version {SCHEMA_VERSION + 1} is not {SCHEMA_VERSION}"),
+        (codec.pack({"kind": "nonsense", "v": SCHEMA_VERSION, "body": {}}), None, "unknown message kind"),
+        (encode(work), None, "expected trajectory_group, got prompt_work"),
+        (codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION, "body": {"work": 5}}), None,
+         "invalid trajectory_group"),
+        (codec.pack({"claim": "trajectories/nothing-here", "size": 100 * MiB}),
+         {CLAIM_HEADER: "trajectories/nothing-here", CLAIM_SIZE_HEADER: str(100 * MiB)}, "is missing"),
+    ]
+
+
+async def _attack(cfg: RlbusConfig) -> list[str]:
+    """Publishes the hostile messages and the flood; returns the expected reason of each non-flood one."""
+    from nats.errors import MaxPayloadError
+
+    async with Bus.connect(cfg, name="attacker", ensure=False) as bus:
+        expected = []
+        for data, headers, reason in _junk(cfg.run.id):
+            await bus.publish_raw(Stage.TRAJECTORIES, data, headers=headers)
+            expected.append(reason)
+        with pytest.raises(MaxPayloadError):  # above max_payload: refused before it reaches the bus
+            await bus.publish_raw(Stage.TRAJECTORIES, b"\xc1" * (9 * MiB))
+        for start in range(0, FLOOD, 500):
+            await asyncio.gather(*(bus.publish_raw(Stage.TRAJECTORIES, b"junk-%d" % i)
+                                   for i in range(start, start + 500)))
+        # One of each on the other stages: the rollout and the learner dead-letter too.
+        for stage in (Stage.PROMPTS, Stage.READY):
+            await bus.publish_raw(stage, b"\xc1 junk")
+            await bus.publish_raw(stage, codec.pack({"kind": "x", "v": SCHEMA_VERSION + 1, "body": {}}))
+        return expected
+
+
+async def _dead_letters(cfg: RlbusConfig, n_first: int) -> tuple[dict[Stage, int], list]:
+    async with Bus.connect(cfg, name="inspector", ensure=False) as bus:
+        counts = {stage: await bus.dead_letter_count(stage) for stage in (Stage.PROMPTS, Stage.TRAJECTORIES,
+                                                                          Stage.READY)}
+        return counts, await bus.dead_letters(Stage.TRAJECTORIES, limit=n_first)
+
+
+@pytest.mark.timeout(300)
+def test_hostile_messages_are_dead_lettered_and_the_run_completes(
+    private_nats: LocalNatsServer, run_id: str, tmp_path: Path
+) -> None:
+    cfg = make_config(private_nats.url, run_id, tmp_path, RUN)
+    with Run(cfg) as run:
+        run.wait_for_step(2, 150)
+        t0 = time.monotonic()
+        expected = asyncio.run(_attack(cfg))
+        published_s = time.monotonic() - t0
+        want = {Stage.PROMPTS: 2, Stage.TRAJECTORIES: len(expected) + FLOOD, Stage.READY: 2}
+        deadline = time.monotonic() + 150
+        while True:
+            counts, first = asyncio.run(_dead_letters(cfg, len(expected)))
+            if counts == want or time.monotonic() > deadline:
+                break
+            assert all(p.alive for p in run.procs), _logs(run)
+            time.sleep(2.0)
+        assert counts == want, f"dead letters {counts}, want {want}\n{_logs(run)}"
+        drained_s = time.monotonic() - t0
+        assert all(p.alive for p in run.procs), _logs(run)
+        for (reason, headers, _data), fragment in zip(first, expected, strict=True):
+            assert fragment in reason, (fragment, reason)
+            assert headers["Rlbus-Stage"] == "trajectories" and headers["Rlbus-Consumer"] == "reward"
+        assert len(first[2].data) == 7 * MiB  # the oversized one is kept whole for inspection
+        rc = run.wait_learner(180)
+        assert rc == 0, _logs(run)
+        assert all(p.alive for p in run.procs if p.name != "learner"), _logs(run)
+        _check_ledger(run)
+    print(f"published in {published_s:.1f}s, all dead-lettered after {drained_s:.1f}s")
+
+
+async def test_acks_through_a_server_crash_never_raise_and_lose_nothing(
+    private_nats: LocalNatsServer, run_id: str, tmp_path: Path
+) -> None:
+    """Items delivered just before a crash: the restarted server may have lost those deliveries (its
+    consumer state on disk lags) and then ignores their acks. Acking returns (confirmed or not) and never
+    raises or hangs; what the server forgot comes back by redelivery; in the end every item is consumed."""
+    cfg = RlbusConfig(run={"id": run_id, "dir": tmp_path}, bus={"url": private_nats.url})
+    async with Bus.connect(cfg, name="crash-acker") as bus:
+        consumer = await bus.consumer(Stage.PROMPTS, "rollout", ack_wait_s=3)
+        private_nats.restart()  # from the second start on, fresh delivery state is flushed lazily
+        unconfirmed = 0
+        for cycle in range(3):
+            ids = {f"c{cycle}-p{i}" for i in range(6)}
+            for pid in sorted(ids):
+                await bus.publish(Stage.PROMPTS, PromptWork(
+                    run_id=run_id, prompt_id=pid, index=0, step=0, min_policy_version=0, prompt_ids=[1], n=1,
+                    sampling=SamplingParams()), msg_id=pid)
+            held: list = []
+            while len(held) < 6:
+                held += await consumer.fetch(6 - len(held), timeout=5)
+            private_nats.kill()
+            private_nats.start()
+            t0 = time.monotonic()
+            confirmed = [await d.ack() for d in held]
+            assert time.monotonic() - t0 < 40, "unanswered acks are given up on quickly"
+            unconfirmed += confirmed.count(False)
+            seen = {d.message.prompt_id for d, ok in zip(held, confirmed, strict=True) if ok}
+            deadline = time.monotonic() + 30
+            while seen != ids and time.monotonic() < deadline:  # the forgotten ones come again
+                for d in await consumer.fetch(6, timeout=2):
+                    assert await d.ack()
+                    seen.add(d.message.prompt_id)
+            assert seen == ids
+            assert await bus.stream_depth(Stage.PROMPTS) == 0
+            if unconfirmed:
+                break
+        assert unconfirmed, "the crash never made the server forget a delivery: this test checked nothing"
