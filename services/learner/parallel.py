@@ -497,19 +497,20 @@ def full_state_items(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
     """
     lora = is_lora(model)
     for name, t in model.state_dict().items():
-        if not lora:
-            yield name, _cast(_full(t), dtype)
+        if lora and any(p.startswith("lora_") for p in name.split(".")):
             continue
-        parts = name.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue
-        base_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        full = _full(t)
-        if name.endswith(".base_layer.weight"):
-            delta = _lora_delta(model, name.removesuffix(".base_layer.weight"))
-            if delta is not None:
-                full = (full.float() + delta.to(full.device)).to(full.dtype)
-        yield base_name, _cast(full, dtype)
+        out_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".") if lora else name
+        yield out_name, _full_item(model, name, t, lora, dtype)  # computed outside grad mode, yielded here
+
+
+@torch.no_grad()
+def _full_item(model: nn.Module, name: str, t: torch.Tensor, lora: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    full = _full(t)
+    if lora and name.endswith(".base_layer.weight"):
+        delta = _lora_delta(model, name.removesuffix(".base_layer.weight"))
+        if delta is not None:
+            full = (full.float() + delta.to(full.device)).to(full.dtype)
+    return _cast(full, dtype)
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
