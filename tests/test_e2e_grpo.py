@@ -30,7 +30,7 @@ def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_
         rows = run.metrics()
     train = [r for r in rows if "reward/accuracy" in r]
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    assert len(train) == 100 and len(val) == 4  # before training, at steps 50 and 100 (+ the final one)
+    assert len(train) == 100 and len(val) == 3  # before training, at step 50, after the last step
     # Greedy accuracy on 128 held-out prompts: the warm start gets ~50%. A random-direction update
     # does not add 12 points (the standard error of one evaluation is ~4.4 points).
     assert val[-1] > val[0] + 0.12, f"val accuracy {val}"

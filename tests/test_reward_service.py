@@ -1,0 +1,104 @@
+"""Reward service: user functions are sandboxed, failures are recorded, implementations swap live."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from e2e_utils import Run, make_config
+from rlbus.config.schema import RewardConfig
+from rlbus.launcher import ServiceProcess
+from rlbus.messages import PromptWork, Sample, SamplingParams, TrajectoryGroup
+from rlbus.reward.scorers import FunctionScorer, TaskScorer, build_scorer
+from rlbus.reward.service import score_group
+
+TESTS = str(Path(__file__).parent)
+
+
+@pytest.fixture(autouse=True)
+def _tests_importable(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(TESTS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+
+
+def _group(texts: list[str], answer: str = "46") -> TrajectoryGroup:
+    work = PromptWork(run_id="r", prompt_id="p", index=0, step=0, min_policy_version=0, prompt_ids=[1],
+                      prompt_text="12+34=", meta={"task": "addition", "digits": 2, "answer": answer}, n=len(texts),
+                      sampling=SamplingParams())
+    samples = [Sample(response_ids=[1], logprobs=np.zeros(1, np.float32), text=t) for t in texts]
+    return TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
+
+
+def test_task_scorer_scores_addition() -> None:
+    scored = score_group(TaskScorer(), _group(["46", "47"]), on_error=0.0)
+    assert scored.rewards == [1.0, 0.0] and scored.correct == [True, False]
+
+
+def test_user_function_raising_is_recorded_not_fatal() -> None:
+    scorer = FunctionScorer("reward_fns:always_raises", timeout_s=10, memory_mb=512)
+    try:
+        scored = score_group(scorer, _group(["46", "1"]), on_error=-0.5)
+    finally:
+        scorer.close()
+    assert scored.rewards == [-0.5, -0.5]
+    assert all("user code is broken" in e for e in scored.reward_errors)
+
+
+@pytest.mark.timeout(60)
+def test_user_function_timeout_and_memory_limit() -> None:
+    slow = FunctionScorer("reward_fns:sleeps", timeout_s=1.0, memory_mb=512)
+    hog = FunctionScorer("reward_fns:hogs_memory", timeout_s=20.0, memory_mb=512)
+    try:
+        s1 = score_group(slow, _group(["46"]), on_error=0.0)
+        s2 = score_group(hog, _group(["46"]), on_error=0.0)
+        assert "exceeded 1.0s" in s1.reward_errors[0]
+        assert s2.reward_errors[0] is not None and s2.rewards == [0.0]
+        # the sandbox comes back after a kill: a normal function still works in a new worker
+        good = FunctionScorer("reward_fns:double_score", timeout_s=10, memory_mb=512)
+        assert score_group(good, _group(["46"]), on_error=0.0).rewards == [2.0]
+        good.close()
+    finally:
+        slow.close()
+        hog.close()
+
+
+def test_bad_function_spec_fails_at_start_naming_it() -> None:
+    with pytest.raises(ValueError, match="no_such_mod"):
+        build_scorer(RewardConfig(type="function", function="no_such_mod:fn"))
+
+
+@pytest.mark.timeout(400)
+def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = make_config(nats_url, run_id, tmp_path, [
+        "trainer.async_level=1", "trainer.total_training_steps=12", "data.train_batch_size=8", "rollout.n=4",
+        "trainer.val_before_train=false", "trainer.test_freq=-1",
+    ])
+    with Run(cfg) as run:
+        run.wait_for_step(3, 200)
+        first = run.proc("reward")
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGTERM)  # graceful: finishes its item, the rest stays on the bus
+        first.proc.wait(30)
+        swapped = ServiceProcess(
+            "reward-fn", "reward",
+            ["--config", str(run.config_path), "--instance-id", "reward-fn", "reward.type=function",
+             "reward.function=reward_fns:double_score"],
+            run.run_dir / "logs" / "reward-fn.log", env={"PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
+        ).start()
+        run.procs.append(swapped)
+        rc = run.wait_learner(300)
+        assert rc == 0, run.logs("learner") + "\n" + run.logs("reward-fn")
+        rows = run.metrics()
+        ledger = run.ledger()
+    assert len(rows) == 12
+    assert set(ledger["dispatched"]) == set(ledger["trained"]) | set(ledger["dropped"])
+    assert len(ledger["trained"]) == 12 * 8
+    # The last steps were scored by the function (it pays 2.0 per right answer, the verifier 1.0).
+    late = rows[-1]
+    assert late["reward/accuracy"] > 0 and late["reward/mean"] == pytest.approx(2 * late["reward/accuracy"])
+    assert sys.executable  # the services ran under this interpreter
