@@ -133,15 +133,17 @@ def write_jsonl(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
 
 def wrong_answer(answer: str, rng: random.Random) -> str:
-    """``answer`` with one digit changed (never to a leading zero): a near miss, so that the pair differs
-    in exactly the token that decides correctness and the model must learn the sum, not the length."""
+    """``answer`` with one digit moved up or down by one (never to a leading zero): the near miss a model
+    that half knows the sum (or drops a carry) makes, so the pair differs in exactly the token that decides
+    correctness and the preference stays informative for a model that is already often right."""
     positions = [i for i, ch in enumerate(answer) if ch.isdigit()]
     if not positions:
         return answer + "0"
     i = rng.choice(positions)
+    digit = int(answer[i])
     leading = i == 0 and len(answer) > 1
-    choices = [d for d in "0123456789" if d != answer[i] and not (leading and d == "0")]
-    return answer[:i] + rng.choice(choices) + answer[i + 1 :]
+    options = [d for d in ((digit + 1) % 10, (digit - 1) % 10) if not (leading and d == 0)]
+    return answer[:i] + str(rng.choice(options)) + answer[i + 1 :]
 
 
 def make_synthetic_preferences(
