@@ -187,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from rlbus.bus import BusConnectError
+
+        if isinstance(exc, BusConnectError):  # wrong secret, no server: one clear line, no traceback
+            print(f"rlbus {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":
