@@ -79,6 +79,7 @@ class Learner:
         self.start_step = 0  # training steps already done (a resumed checkpoint's step)
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
+        self._stale_epoch = 0  # weight-group epoch of the crashed attempt's last announcement
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_results: list[tuple[float, bool]] = []
         self.overflow: list = []  # ready groups received while a full batch waited for validation
@@ -145,6 +146,7 @@ class Learner:
         else:
             with contextlib.suppress(Exception):
                 await self.ctx.bus.js.purge_stream(self.ctx.bus.names.stream(Stage.PROMPTS))
+            await self._forget_announcement()
         await state.put_json(ATTEMPTS_KEY, self.attempt + 1)  # prompt ids of the next start differ
 
     async def _restore(self, path: Path) -> None:
@@ -165,15 +167,22 @@ class Learner:
                           loader_position=self.loader.position, redispatch=len(again), attempt=self.attempt,
                           seconds=round(time.perf_counter() - t0, 2))
 
+    async def _forget_announcement(self) -> None:
+        """The crashed attempt's weight announcement names a group that is gone: a replica starting now
+        would wait on it for its whole timeout. Remember its epoch (ours must be newer), then delete it."""
+        from rlbus.bus.state import ANNOUNCE_KEY
+        from rlbus.messages import WeightAnnouncement, decode
+
+        with contextlib.suppress(Exception):
+            raw = await self.ctx.state.get_announcement()
+            if raw:
+                self._stale_epoch = decode(raw, WeightAnnouncement).epoch
+            await self.ctx.state.kv.purge(ANNOUNCE_KEY)
+
     async def _push_restored(self) -> None:
         """Replicas may hold newer weights (the crashed attempt pushed after the checkpoint): push the
         restored ones at once, at the restored version, in a group epoch no replica has seen."""
-        from rlbus.messages import WeightAnnouncement, decode
-
-        raw = await self.ctx.state.get_announcement()
-        if raw:
-            with contextlib.suppress(Exception):
-                self.pusher.epoch = max(self.pusher.epoch, decode(raw, WeightAnnouncement).epoch)
+        self.pusher.epoch = max(self.pusher.epoch, self._stale_epoch)
         ok = await self.pusher.push(self._named_weights, self.version)
         self.ctx.log.info("restored weights pushed" if ok else "restored weights push failed; will retry",
                           version=self.version)
@@ -371,6 +380,13 @@ class Learner:
     async def drain(self, timeout_s: float = 60.0) -> None:
         """After the last step: collect what is still in flight and record it as dropped ('run_finished')."""
         deadline = time.monotonic() + timeout_s
+        held, self.overflow = self.overflow, []  # groups set aside while the final validation ran
+        for d in held:
+            pid = d.message.scored.trajectories.work.prompt_id
+            if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
+                await self._settle(d, "run_finished")
+            else:
+                await d.ack()
         while self.ledger.in_flight > 0 and time.monotonic() < deadline:
             for d in await self.consumer.fetch(batch=64, timeout=1.0):
                 pid = d.message.scored.trajectories.work.prompt_id

@@ -1,0 +1,173 @@
+"""Kill the learner after a checkpoint, restart it with resume_mode=auto: the run continues from the saved
+step with the same data order, trains no step twice and ends with the weights of an uninterrupted run.
+
+Real NATS, the services as separate OS processes. Deterministic by construction: async_level=0 (exactly
+on-policy), rollout.seed_per_prompt (a prompt's samples depend on its data index and the weights only),
+batches trained in data order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_utils import Run, make_config
+
+from rlbus.learner.checkpoint import SUPERSEDED_METRICS, checkpoint_root, latest_checkpoint
+
+STEPS, SAVE_FREQ, BATCH = 8, 3, 4
+COMMON = [
+    "trainer.async_level=0", "rollout.replicas=1", f"trainer.total_training_steps={STEPS}",
+    f"data.train_batch_size={BATCH}", "rollout.n=4", "rollout.prompts_per_batch=4", "rollout.seed_per_prompt=true",
+    f"trainer.save_freq={SAVE_FREQ}", "trainer.max_ckpt_to_keep=2", "trainer.test_freq=-1",
+    "trainer.val_before_train=false", "actor.optim.lr=1e-3", "trainer.seed=7", "trainer.resume_mode=auto",
+]
+
+
+def _indices_per_step(ledger: dict) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for pid, step in ledger["trained"].items():
+        out.setdefault(int(step), []).append(int(ledger["dispatched"][pid]))
+    return {s: sorted(v) for s, v in sorted(out.items())}
+
+
+def _final_weights(run: Run) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run.run_dir / "final" / "model.safetensors"))
+
+
+def _train_rows(run: Run) -> list[dict]:
+    return [r for r in run.metrics() if "actor/loss" in r]
+
+
+def _delete_run(url: str, run_id: str) -> None:
+    from rlbus.bus import Bus
+    from rlbus.config.schema import RlbusConfig
+
+    async def go() -> None:
+        bus = await Bus.open(RlbusConfig(run={"id": run_id}, bus={"url": url}), name="test-cleanup", ensure=False)
+        try:
+            await bus.delete_run()
+        finally:
+            await bus.close()
+
+    with contextlib.suppress(Exception):
+        asyncio.run(asyncio.wait_for(go(), 15))
+
+
+def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
+    """SIGKILL the learner once a checkpoint exists and at least one more step is done (work to redo)."""
+    deadline = time.monotonic() + 180
+    while True:
+        ckpt = latest_checkpoint(root)
+        rows = _train_rows(run)
+        if ckpt is not None and rows and rows[-1]["step"] > int(ckpt.name.split("_")[1]):
+            break
+        assert run.learner.alive, run.logs("learner")
+        assert time.monotonic() < deadline, run.logs("learner")
+        time.sleep(0.05)
+    assert run.learner.proc is not None
+    run.learner.proc.send_signal(signal.SIGKILL)
+    run.learner.proc.wait(10)
+    return int(ckpt.name.split("_")[1]), _train_rows(run)[-1]["step"]
+
+
+@pytest.mark.timeout(420)
+def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url: str, run_id: str,
+                                                                       tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    cfg_a = make_config(nats_url, run_id, tmp_path, COMMON)
+    with Run(cfg_a) as a:
+        assert a.wait_learner(240) == 0, a.logs("learner")
+    t_a = time.monotonic() - t0
+
+    run_b = f"{run_id}b"
+    try:
+        cfg_b = make_config(nats_url, run_b, tmp_path, COMMON)
+        with Run(cfg_b) as b:
+            root = checkpoint_root(b.run_dir)
+            saved, done_at_kill = _kill_after_a_checkpoint(b, root)
+            assert saved in (SAVE_FREQ, 2 * SAVE_FREQ) and done_at_kill > saved
+            b.learner.start()  # same config: trainer.resume_mode=auto
+            assert b.wait_learner(240) == 0, b.logs("learner")
+            log = b.proc("learner").log_path.read_text()
+    finally:
+        _delete_run(nats_url, run_b)
+    t_total = time.monotonic() - t0
+
+    assert "resumed from checkpoint" in log and f"step={saved}" in log.split("resumed from checkpoint")[1][:400]
+    # Every step exactly once in metrics.jsonl; the crashed attempt's later rows were moved aside.
+    rows_b, rows_a = _train_rows(b), _train_rows(a)
+    assert [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
+    superseded = [json.loads(line)["step"] for line in (b.run_dir / SUPERSEDED_METRICS).read_text().splitlines()]
+    assert [s for s in superseded] == list(range(saved + 1, done_at_kill + 1))
+    assert rows_b[saved]["time"] > rows_b[saved - 1]["time"]
+    # Same data order: the same data indices trained in each step; none twice.
+    ledger_a, ledger_b = a.ledger(), b.ledger()
+    order_a, order_b = _indices_per_step(ledger_a), _indices_per_step(ledger_b)
+    assert order_b == order_a and sorted(order_a) == list(range(STEPS))
+    assert all(len(v) == BATCH for v in order_b.values())
+    trained_idx = [ledger_b["dispatched"][p] for p in ledger_b["trained"]]
+    assert max(Counter(trained_idx).values()) == 1, "a data index was trained twice"
+    assert set(ledger_b["dispatched"]) == set(ledger_b["trained"]) | set(ledger_b["dropped"])
+    assert all(p.startswith(f"{run_b}-a1-") for p, s in ledger_b["trained"].items() if s >= saved)
+    # The same updates: per-step losses and rewards, then the final weights.
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        assert rb["reward/mean"] == ra["reward/mean"], ra["step"]
+        assert rb["actor/pg_loss"] == pytest.approx(ra["actor/pg_loss"], abs=1e-6), ra["step"]
+        assert rb["policy/version"] == ra["policy/version"]
+    wa, wb = _final_weights(a), _final_weights(b)
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= 1e-6, f"final weights differ by {worst}"
+    base = _final_weights_base()
+    assert max(float((wa[k] - base[k]).abs().max()) for k in wa if k in base) > 1e-4, "training moved the weights"
+    assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["step_6", "step_8"]
+    print(f"\nuninterrupted run {t_a:.0f}s, both runs {t_total:.0f}s, killed after step {done_at_kill} "
+          f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}")
+
+
+def _final_weights_base() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from rlbus.tiny_model import default_model_path
+
+    return load_file(str(default_model_path() / "model.safetensors"))
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_work_in_flight_trains_no_index_twice(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """async_level=1: prompts are in flight at every checkpoint. The resumed learner drops them ('resumed'),
+    dispatches their data indices again under new ids, and acks whatever the crashed attempt made as
+    leftovers: every index is trained at most once and the ledger adds up."""
+    steps = 6
+    cfg = make_config(nats_url, run_id, tmp_path, [
+        "trainer.async_level=1", "rollout.replicas=1", f"trainer.total_training_steps={steps}",
+        "data.train_batch_size=4", "rollout.n=4", "rollout.prompts_per_batch=2", "trainer.save_freq=2",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto",
+    ])
+    with Run(cfg) as run:
+        saved, done_at_kill = _kill_after_a_checkpoint(run, checkpoint_root(run.run_dir))
+        run.learner.start()
+        assert run.wait_learner(240) == 0, run.logs("learner")
+        ledger = run.ledger()
+    rows = _train_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    trained, dropped, dispatched = ledger["trained"], ledger["dropped"], ledger["dispatched"]
+    assert set(dispatched) == set(trained) | set(dropped) and not set(trained) & set(dropped)
+    assert Counter(int(s) for s in trained.values()) == {s: 4 for s in range(steps)}, "each step once, full"
+    trained_idx = Counter(dispatched[p] for p in trained)
+    assert max(trained_idx.values()) == 1, "a data index was trained twice"
+    resumed = [p for p, why in dropped.items() if why == "resumed"]
+    assert resumed, "work was in flight at the checkpoint"
+    again = {dispatched[p] for p in dispatched if p.startswith(f"{run_id}-a1-")}
+    assert {dispatched[p] for p in resumed} <= again, "in-flight indices are dispatched again"
+    assert all(s < saved for p, s in trained.items() if not p.startswith(f"{run_id}-a1-"))
