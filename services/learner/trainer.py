@@ -47,7 +47,7 @@ class PolicyTrainer:
         self.model = parallel.build_policy_model(cfg, model_path, self.par)
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
+            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
             weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -118,6 +118,7 @@ class OptimConfig(Section):
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon")
     lr_warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
