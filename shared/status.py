@@ -197,6 +197,11 @@ async def _status(cfg: RlbusConfig, url: str, watch: bool) -> int:
                 print(f"rlbus status: {exc} (bus {redact_url(url)})", file=sys.stderr)
                 if not watch:
                     return 1
+            except Exception as exc:  # the server went away: once, that is the answer; watching, wait for it
+                if not watch:
+                    raise
+                print(f"rlbus status: bus {redact_url(url)} unreachable ({type(exc).__name__}: {exc}); "
+                      "retrying", file=sys.stderr, flush=True)
             else:
                 snapshot["progress"] = _progress(cfg)
                 text = render_status(snapshot)
