@@ -29,11 +29,12 @@ endif
 test:
 	$(PYTEST) -q -m "not slow and not vllm and not gpu and not sglang" tests
 
+# pytest exits 5 when a marker selects nothing: that is not a failure here.
 test-slow:
-	$(PYTEST) -q -m "slow and not vllm" tests
+	$(PYTEST) -q -m "slow and not vllm and not gpu" tests || [ $$? -eq 5 ]
 
 test-vllm:
-	$(PYTEST) -q -m "vllm" tests
+	$(PYTEST) -q -m "vllm and not gpu" tests || [ $$? -eq 5 ]
 
 test-all:
 	$(PYTEST) -q -m "not gpu and not sglang" tests
