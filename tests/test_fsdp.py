@@ -305,3 +305,42 @@ def test_lora_update_reaches_the_replica_merged(tiny: Path) -> None:
             proc.kill()
         eng.close()
     assert proc.exitcode == 0
+
+
+# --------------------------------------------------------------------------------------- the real service
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 2 -m rlbus.learner.main`: rank 0 drives the run, rank 1 follows; the replica
+    gets every version, the final export is written, and both ranks exit 0."""
+    import subprocess
+    import sys
+
+    from e2e_utils import Run, make_config
+
+    from rlbus.weight_sync import free_port
+
+    cfg = make_config(nats_url, run_id, tmp_path, [
+        "trainer.async_level=0", "trainer.total_training_steps=3", "data.train_batch_size=4", "rollout.n=4",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.device=cpu", "rollout.device=cpu",
+        "model.use_remove_padding=true", "actor.ppo_micro_batch_size=4",
+    ])
+    run = Run(cfg)
+    run.procs = [p for p in run.procs if p.name != "learner"]  # the learner is torchrun's
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with run:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log = run.run_dir / "logs" / "learner-torchrun.log"
+        with open(log, "w") as out:
+            proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                                   "-m", "rlbus.learner.main", "--config", str(run.config_path)],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT, timeout=500)
+        assert proc.returncode == 0, log.read_text()[-4000:]
+        rows = run.metrics()
+        replica = run.logs("rollout-0", 200)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(np.isfinite(r["actor/loss"]) for r in rows)
+    assert "version=3" in replica and "weights updated" in replica
+    assert (run.run_dir / "final" / "config.json").is_file()

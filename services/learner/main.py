@@ -9,10 +9,24 @@ from rlbus.config import RlbusConfig
 
 
 def run_learner(cfg: RlbusConfig) -> int:
+    """One learner process. Under torchrun, rank 0 runs the service and leads the other ranks' steps
+    (services/learner/parallel.py); every other rank only follows them and never talks to the bus."""
+    from rlbus.learner import parallel
     from rlbus.learner.service import learner_loop
     from rlbus.service import run_service
 
-    return asyncio.run(run_service(cfg, "learner", "learner", learner_loop))
+    # Workers idle in a gloo broadcast while rank 0 waits for rollouts: never shorter than that wait.
+    timeout_s = max(parallel.DEFAULT_TIMEOUT_S, 3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s)
+    ctx = parallel.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
+    try:
+        if not ctx.is_leader:
+            return parallel.worker_main(cfg)
+        try:
+            return asyncio.run(run_service(cfg, "learner", "learner", learner_loop))
+        finally:
+            ctx.stop_workers()
+    finally:
+        parallel.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

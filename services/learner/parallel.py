@@ -12,7 +12,8 @@ the degenerate case and runs none of the distributed code):
   ``INIT``      ``{model_path, total_steps}``           ``PolicyTrainer.__init__`` (workers build theirs)
   ``TRAIN``     the collated ``TrainBatch``             ``PolicyTrainer.train_step``
   ``GATHER``    none                                    the first ``next()`` of ``named_weights()``
-  ``CALL``      ``{name, kwargs}`` (JSON)               ``DistContext.lead_call`` (e.g. a checkpoint)
+  ``CALL``      ``{name, kwargs}`` (JSON)               ``DistContext.lead_call``: service.py leads
+                                                        ``save_checkpoint``, ``load_checkpoint``, ``save_hf``
   ``STOP``      none                                    ``run_learner`` when the service returns
   ============  =====================================  ==============================================
 
@@ -336,6 +337,20 @@ def _recv_batch(meta: dict) -> TrainBatch:
     return TrainBatch(**kwargs)
 
 
+def _builtin_op(name: str) -> Callable[..., Any] | None:
+    """The learner loop's collective calls (rank 0 leads them in service.py; every rank runs the function)."""
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from rlbus.learner import checkpoint
+
+        fn = getattr(checkpoint, name)
+        return lambda trainer, path: fn(Path(path), trainer)
+    if name == "save_hf":
+        from rlbus.learner.export import save_hf
+
+        return lambda trainer, path: save_hf(trainer.model, None, Path(path))  # rank 0 writes the files
+    return None
+
+
 def worker_main(cfg: RlbusConfig) -> int:
     """Ranks > 0: follow rank 0's ops until STOP. Returns the exit code."""
     ctx = context()
@@ -361,7 +376,7 @@ def worker_main(cfg: RlbusConfig) -> int:
                 pass
         elif op == OP_CALL:
             assert payload is not None
-            fn = _WORKER_OPS.get(payload["name"])
+            fn = _WORKER_OPS.get(payload["name"]) or _builtin_op(payload["name"])
             if fn is None:
                 raise RuntimeError(f"rank {ctx.rank}: no worker op {payload['name']!r} is registered")
             fn(trainer, **payload["kwargs"])

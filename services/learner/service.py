@@ -153,6 +153,7 @@ class Learner:
         from rlbus.learner.checkpoint import load_checkpoint, rewind_metrics
 
         t0 = time.perf_counter()
+        self.trainer.par.lead_call("load_checkpoint", path=str(path))  # FSDP ranks > 0 load alongside
         extra = await asyncio.to_thread(load_checkpoint, path, self.trainer)
         self.start_step = int(extra["step"])
         self.version = int(extra["policy_version"])
@@ -198,6 +199,7 @@ class Learner:
                  "ledger": self.ledger.to_dict(), "attempt": self.attempt, "run_id": self.cfg.run.id}
         root = checkpoint_root(self.run_dir)
         t0 = time.perf_counter()
+        self.trainer.par.lead_call("save_checkpoint", path=str(step_dir(root, done)))  # ranks > 0 save alongside
         path = await asyncio.to_thread(save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer)
         await asyncio.to_thread(prune_checkpoints, root, self.cfg.trainer.max_ckpt_to_keep)
         self.ctx.log.info("checkpoint saved", step=done, path=str(path), seconds=round(time.perf_counter() - t0, 2))
@@ -366,6 +368,7 @@ class Learner:
                 await self.checkpoint(step + 1)
         from rlbus.learner.export import save_hf
 
+        self.trainer.par.lead_call("save_hf", path=str(self.run_dir / "final"))  # ranks > 0 gather alongside
         await asyncio.to_thread(save_hf, self.trainer.model, self.tokenizer, self.run_dir / "final")
         if cfg.trainer.test_freq > 0 and self.val_records:
             await self.start_validation(self.total_steps)

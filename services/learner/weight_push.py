@@ -69,8 +69,9 @@ class WeightPusher:
             self.pushed_version = version
             return True
         new_group = self.members is None or set(live) != set(self.members) or not self.sender.is_open
-        tensors = list(named_weights())
-        plan = self.sender.plan(tensors)
+        # Two streamed passes (plan: names, shapes, checksum; then send): never the whole model at once, and
+        # under FSDP each pass is one all-gather per tensor that every rank joins (rlbus.learner.parallel).
+        plan = await asyncio.to_thread(self.sender.plan, named_weights())
         if new_group:
             self.sender.close()
             self.epoch += 1
@@ -92,7 +93,7 @@ class WeightPusher:
             if new_group:
                 self.ctx.log.info("forming weight group", epoch=self.epoch, world=world, replicas=sorted(ranks))
                 await asyncio.to_thread(self.sender.open, port, world, self.epoch)
-            await asyncio.to_thread(self.sender.send, tensors, plan)
+            await asyncio.to_thread(self.sender.send, named_weights(), plan)
         except WeightSyncError as exc:
             self.failures += 1
             self.ctx.log.warning("weight push failed; will re-form the group", version=version, epoch=self.epoch,
