@@ -84,19 +84,14 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
 def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url: str, run_id: str,
                                                                        tmp_path: Path) -> None:
     t0 = time.monotonic()
-    cfg_a = make_config(nats_url, run_id, tmp_path, COMMON)
-    with Run(cfg_a) as a:
-        assert a.wait_learner(240) == 0, a.logs("learner")
-    t_a = time.monotonic() - t0
-
     run_b = f"{run_id}b"
-    try:
-        cfg_b = make_config(nats_url, run_b, tmp_path, COMMON)
-        with Run(cfg_b) as b:
-            root = checkpoint_root(b.run_dir)
-            saved, done_at_kill = _kill_after_a_checkpoint(b, root)
+    try:  # A (uninterrupted) and B (killed, resumed) side by side: they share nothing but the NATS server
+        with Run(make_config(nats_url, run_id, tmp_path, COMMON)) as a, \
+                Run(make_config(nats_url, run_b, tmp_path, COMMON)) as b:
+            saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir))
             assert saved in (SAVE_FREQ, 2 * SAVE_FREQ) and done_at_kill > saved
             b.learner.start()  # same config: trainer.resume_mode=auto
+            assert a.wait_learner(240) == 0, a.logs("learner")
             assert b.wait_learner(240) == 0, b.logs("learner")
             log = b.proc("learner").log_path.read_text()
     finally:
@@ -131,7 +126,7 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url:
     base = _final_weights_base()
     assert max(float((wa[k] - base[k]).abs().max()) for k in wa if k in base) > 1e-4, "training moved the weights"
     assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["step_6", "step_8"]
-    print(f"\nuninterrupted run {t_a:.0f}s, both runs {t_total:.0f}s, killed after step {done_at_kill} "
+    print(f"\nboth runs {t_total:.0f}s, killed after step {done_at_kill} "
           f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}")
 
 

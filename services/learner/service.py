@@ -80,6 +80,9 @@ class Learner:
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
         self._stale_epoch = 0  # weight-group epoch of the crashed attempt's last announcement
+        self._replicas_may_differ = False  # an earlier attempt pushed weights: replicas may hold them
+        self._weights_behind = False  # a group came from weights this learner never made: push ours
+        self._forced_push_at = 0.0
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_results: list[tuple[float, bool]] = []
         self.overflow: list = []  # ready groups received while a full batch waited for validation
@@ -99,6 +102,10 @@ class Learner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resumed_from = self._resume_target()
         await self._prepare_bus(fresh=self.resumed_from is None)
+        if self.resumed_from is None:
+            from rlbus.learner.checkpoint import rewind_metrics
+
+            rewind_metrics(self.run_dir, 0)  # an earlier attempt's rows (none of them resumable) move aside
         model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(model_path)
         records = load_split(cfg.data, "train")
@@ -112,6 +119,7 @@ class Learner:
         if self.resumed_from is not None:
             await self._restore(self.resumed_from)
         self.pusher = WeightPusher(self.ctx, "nccl" if device.type == "cuda" else "gloo")
+        self.pusher.epoch = self._stale_epoch  # our weight groups get epochs no replica has seen
         self.writer = MetricsWriter(self.run_dir, cfg.trainer.logger, self.total_steps, cfg.trainer.project_name,
                                     cfg.trainer.experiment_name)
         from rlbus.bus import Stage
@@ -122,8 +130,8 @@ class Learner:
         )
         await self.ctx.state.set_policy_version(self.version)
         self.ctx.policy_version = self.version
-        if self.resumed_from is not None:
-            await self._push_restored()
+        if self.resumed_from is not None or self._replicas_may_differ:
+            await self._push_current()
         self.ctx.status = "ready"
 
     # ------------------------------------------------------------------ checkpoints and resume
@@ -141,12 +149,13 @@ class Learner:
 
         state = self.ctx.state
         self.attempt = int(await state.get_json(ATTEMPTS_KEY, 0) or 0)
+        self._replicas_may_differ = int(await state.get_policy_version(0)) > 0
+        await self._forget_announcement()
         if fresh:
             await self.ctx.bus.purge_run()  # a fresh run never trains on a previous run's leftovers
         else:
             with contextlib.suppress(Exception):
                 await self.ctx.bus.js.purge_stream(self.ctx.bus.names.stream(Stage.PROMPTS))
-            await self._forget_announcement()
         await state.put_json(ATTEMPTS_KEY, self.attempt + 1)  # prompt ids of the next start differ
 
     async def _restore(self, path: Path) -> None:
@@ -180,13 +189,13 @@ class Learner:
                 self._stale_epoch = decode(raw, WeightAnnouncement).epoch
             await self.ctx.state.kv.purge(ANNOUNCE_KEY)
 
-    async def _push_restored(self) -> None:
-        """Replicas may hold newer weights (the crashed attempt pushed after the checkpoint): push the
-        restored ones at once, at the restored version, in a group epoch no replica has seen."""
-        self.pusher.epoch = max(self.pusher.epoch, self._stale_epoch)
+    async def _push_current(self, reason: str = "start") -> None:
+        """Replicas may hold other weights (the crashed attempt pushed after the checkpoint, or an earlier
+        run's): push ours at once, at our version, so every replica generates with exactly them."""
+        self._forced_push_at = time.monotonic()
         ok = await self.pusher.push(self._named_weights, self.version)
-        self.ctx.log.info("restored weights pushed" if ok else "restored weights push failed; will retry",
-                          version=self.version)
+        self.ctx.log.info("weights pushed to overwrite other attempts'" if ok else "overwrite push failed; will retry",
+                          version=self.version, reason=reason)
 
     def _should_save(self, done: int) -> bool:
         freq = self.cfg.trainer.save_freq
@@ -249,6 +258,7 @@ class Learner:
             await d.ack()
         elif lag < 0:  # made with weights of a crashed attempt newer than the checkpoint
             await self._settle(d, "future_version")
+            self._weights_behind = True
         elif lag > self.cfg.trainer.async_level:
             await self._settle(d, "stale")
         elif self.cfg.algorithm.dynamic_sampling and len(set(group.scored.rewards)) == 1:
@@ -284,6 +294,9 @@ class Learner:
                 last_progress = now
             if not deliveries:
                 await self.pusher.maintain(self._named_weights, self.version)
+            if self._weights_behind and now - self._forced_push_at > 5.0:
+                self._weights_behind = False
+                await self._push_current("a replica generated with weights newer than ours")
             if now - last_keepalive > KEEPALIVE_EVERY_S:
                 for d in batch + self.overflow:
                     await d.in_progress()
