@@ -59,7 +59,7 @@ class PolicyTrainer:
         # Critic hook (PPO with GAE): a value model with its own optimizer; None for critic-free estimators.
         from rlbus.learner.critic import build_critic
 
-        self.critic = build_critic(cfg, model_path, device, total_steps)
+        self.critic = build_critic(cfg, model_path, self.device, total_steps)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the weight push sends: full tensors one at a time, state-dict order, in `model.dtype`
