@@ -141,3 +141,21 @@ def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
     assert metrics["dapo/overlong_frac"] == pytest.approx(3 / 5)
     off, none = shaped_rewards(load_config(None, []), batch)
     assert torch.equal(off, batch.rewards) and none == {}
+
+
+def test_ppo_gae_with_kl_in_reward() -> None:
+    """KL in the reward: token rewards get -kl_coef * KL(old || ref) on every token before GAE."""
+    torch.manual_seed(0)
+    cfg = load_config(None, ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+                             "algorithm.kl_ctrl.kl_coef=0.1", "actor.optim.lr=1e-3"])
+    trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
+    groups = [_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+              _group([12, 13], [[14], [15, 16]], [0.0, 1.0])]
+    for g in groups:  # a reference that disagrees with the policy: a non-zero KL on every token
+        g.ref_logprobs = [np.full(len(s.response_ids), -50.0, dtype=np.float32)
+                          for s in g.scored.trajectories.samples]
+    batch = collate(groups, pad_id=0)
+    metrics = trainer.train_step(batch)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    # k1 = log p_old - log p_ref > 45 on every token, times 0.1: a penalty that outweighs any reward <= 1
+    assert metrics["critic/returns_mean"] < -1.0
