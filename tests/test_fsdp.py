@@ -6,6 +6,7 @@ named_weights (GATHER), then stops the worker (STOP); rank 1 only runs `parallel
 
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing as mp
 import os
@@ -344,3 +345,50 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
     assert all(np.isfinite(r["actor/loss"]) for r in rows)
     assert "version=3" in replica and "weights updated" in replica
     assert (run.run_dir / "final" / "config.json").is_file()
+
+
+def _reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                           enable_gqa=False, **_):
+    """What torch.nn.attention.varlen.varlen_attn computes (CUDA only), per sequence with sdpa, on the CPU."""
+    assert window_size == (-1, 0) and cu_seq_q.dtype == torch.int32 and max_q == int(cu_seq_q.diff().max())
+    outs = []
+    for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                     enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed-row attention used on GPUs (varlen flash) agrees with padded sdpa; GQA model, CPU reference."""
+    import torch.nn.attention.varlen as varlen
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlbus.modeling import load_causal_lm
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=31, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    calls = []
+
+    @functools.wraps(_reference_varlen_attn)  # keeps the signature the wrapper inspects
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return _reference_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", counted)
+    name = parallel.packed_attention(torch.device("cuda"), torch.bfloat16)
+    assert name == parallel.VARLEN_ATTENTION
+    packed_model = load_causal_lm(tmp_path, "float32", "cpu", attn_implementation=name)
+    plain = load_causal_lm(tmp_path, "float32", "cpu")
+    batch = make_batch(seed=5)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want, _ = parallel.forward_logprobs(plain, batch, cpu, packed=False, entropy=False)
+        got, _ = parallel.forward_logprobs(packed_model, batch, cpu, packed=True, entropy=False)
+        padded, _ = parallel.forward_logprobs(packed_model, batch, cpu, packed=False, entropy=False)  # sdpa fallback
+    assert len(calls) == cfg.num_hidden_layers  # the packed forward went through varlen, once a layer
+    m = batch.response_mask.bool()
+    assert float((got - want).abs()[m].max()) < 1e-5
+    assert float((padded - want).abs()[m].max()) < 1e-5

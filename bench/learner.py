@@ -1,0 +1,320 @@
+"""Learner step benchmark: tokens/s and MFU of one training step (forward + backward + optimizer).
+
+Runs, one after the other in one process on the same batch:
+
+* ``plain``: a plain single-GPU transformers loop: fp32 weights, ``torch.autocast(bf16)``, the model's own
+  cross-entropy (``labels=``) on the response tokens, gradient accumulation over micro-batches,
+  ``clip_grad_norm_``, ``torch.optim.AdamW``.
+* ``rlbus``: ``rlbus.learner.trainer.PolicyTrainer.train_step`` (FSDP2 over a world of one: bf16 compute,
+  fp32 master weights and reductions; GRPO advantages, clipped PG loss, entropy and log-prob diagnostics),
+  padded micro-batches of the same size; ``+pack`` with sequence packing (``model.use_remove_padding``,
+  varlen flash attention on CUDA) bounded by ``actor.ppo_max_token_len_per_gpu``; ``+gc`` with gradient
+  checkpointing.
+* ``/var``: the same on a batch of mixed lengths (uniform in [seq_len/8, seq_len]): padding vs packing.
+
+The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
+151936, tied embeddings) with random weights, built locally. MFU = model FLOPs/s over the peak
+(``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
+attention per token, recompute not counted, padding not counted (see ``parallel.train_flops_per_token``).
+
+Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
+``rlbus.<service>`` -> ``services/<service>/`` are mapped at start-up):
+
+    python bench/learner.py                               # GPU: the full comparison (~2-3 min on an H200)
+    python bench/learner.py --tiny --device cpu --steps 1 # a smoke run of the script on a CPU
+    python bench/learner.py --seq-len 1024 --batch 32 --configs plain,rlbus
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_CONFIGS = ["plain", "rlbus", "rlbus+pack", "rlbus+gc", "plain/var", "rlbus/var", "rlbus+pack/var"]
+
+
+def bootstrap_rlbus(force: bool = False) -> str:
+    """Make ``import rlbus`` work: the installed package if there is one, else the checkout's folders."""
+    if not force:
+        try:
+            import rlbus.learner.parallel  # noqa: F401
+
+            return "installed"
+        except ImportError:
+            pass
+    for name in [m for m in sys.modules if m == "rlbus" or m.startswith("rlbus.")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        "rlbus", ROOT / "shared" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "shared"), str(ROOT / "services")],
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rlbus"] = module
+    spec.loader.exec_module(module)
+    return f"checkout {ROOT}"
+
+
+def model_config(args: argparse.Namespace):
+    from transformers import Qwen2Config
+
+    if args.tiny:
+        return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                           tie_word_embeddings=True)
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=args.layers,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+def build_model_dir(config: Any, out: Path) -> Path:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    del model
+    return out
+
+
+def make_batch(lengths: list[int], vocab: int, prompt_len: int, group: int, seed: int = 0):
+    """A GRPO batch: groups of `group` samples, right padded; responses after `prompt_len` prompt tokens."""
+    import torch
+
+    from rlbus.learner.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    bsz, width = len(lengths), max(lengths)
+    ids = torch.zeros(bsz, width, dtype=torch.long)
+    mask = torch.zeros(bsz, width, dtype=torch.long)
+    resp = torch.zeros(bsz, width - 1)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(10, vocab, (n,), generator=g)
+        mask[b, :n] = 1
+        p = min(prompt_len, n - 1)
+        resp[b, p - 1 : n - 1] = 1.0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    return TrainBatch(
+        input_ids=ids, attention_mask=mask, position_ids=pos, response_mask=resp,
+        behaviour_logprobs=-torch.rand(bsz, width - 1, generator=g) * resp, ref_logprobs=None,
+        rewards=torch.rand(bsz, generator=g), correct=torch.zeros(bsz, dtype=torch.bool),
+        group_ids=torch.arange(bsz) // group, policy_versions=torch.zeros(bsz, dtype=torch.long), temperature=1.0,
+    )
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    _sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, packed: bool, gc_on: bool) -> dict[str, Any]:
+    import torch
+
+    from rlbus.config import load_config
+    from rlbus.learner import parallel
+    from rlbus.learner.trainer import PolicyTrainer
+
+    overrides = [
+        f"model.path={model_dir}", f"model.dtype={args.dtype}", f"trainer.device={args.device}",
+        f"actor.ppo_micro_batch_size={args.micro}", "actor.ppo_mini_batch_size=0", "actor.ppo_epochs=1",
+        "actor.optim.lr=1e-6", f"data.max_response_length={args.seq_len}",
+        f"model.use_remove_padding={str(packed).lower()}", f"model.enable_gradient_checkpointing={str(gc_on).lower()}",
+        f"actor.ppo_max_token_len_per_gpu={args.micro * args.seq_len}",
+    ]
+    cfg = load_config(None, overrides)
+    trainer = PolicyTrainer(cfg, model_dir, torch.device(args.device), total_steps=100)
+    out: dict[str, Any] = {"attn": trainer.model.config._attn_implementation,
+                           "fsdp": trainer.par.initialized, "micro_batches": len(trainer._micro_batches(batch))}
+    if packed:  # the packed path must compute what the padded one does
+        probe = batch.select(list(range(min(4, batch.size))))
+        with torch.no_grad():
+            a, _ = parallel.forward_logprobs(trainer.model, probe, trainer.device, True, False)
+            b, _ = parallel.forward_logprobs(trainer.model, probe, trainer.device, False, False)
+        m = probe.response_mask.to(a.device).bool()
+        out["packed_vs_padded_max_abs_dlogp"] = float((a - b).abs()[m].max())
+    metrics: dict[str, float] = {}
+
+    def step() -> None:
+        metrics.update(trainer.train_step(batch))
+
+    out["times"] = time_steps(step, args.warmup, args.steps)
+    out["loss"] = metrics.get("actor/loss")
+    return out
+
+
+def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    model.to(dev).train()
+    if args.plain_gc:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    micro = args.micro
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    n_micro = math.ceil(batch.size / micro)
+    loss_box: list[float] = []
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        for i in range(0, batch.size, micro):
+            mb = batch.select(list(range(i, min(i + micro, batch.size))))
+            width = int(mb.attention_mask.sum(-1).max())
+            ids = mb.input_ids[:, :width].to(dev)
+            mask = mb.attention_mask[:, :width].to(dev)
+            labels = ids.clone()
+            labels[:, 1:][mb.response_mask[:, : width - 1].to(dev) == 0] = -100  # train on response tokens
+            labels[:, 0] = -100
+            with amp:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss / n_micro
+            loss.backward()
+            loss_box.append(float(loss.detach()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    out = {"times": time_steps(step, args.warmup, args.steps), "attn": "sdpa", "fsdp": False,
+           "micro_batches": n_micro, "loss": loss_box[-1] if loss_box else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (packed: micro x seq-len tokens)")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--group", type=int, default=4, help="GRPO group size")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--configs", default=",".join(ALL_CONFIGS))
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU")
+    p.add_argument("--plain-gc", action="store_true", help="gradient checkpointing in the plain loop too")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
+    p.add_argument("--force-checkout-imports", action="store_true")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    where = bootstrap_rlbus(args.force_checkout_imports)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch
+
+    from rlbus.learner import parallel
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tiny:
+        args.seq_len, args.prompt_len = min(args.seq_len, 64), min(args.prompt_len, 16)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(ALL_CONFIGS))
+    if unknown:
+        p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
+    if args.device == "cuda":
+        parallel.init_distributed("cuda")  # a world of one: FSDP2 mixed precision with fp32 master weights
+    config = model_config(args)
+    fixed = [args.seq_len] * args.batch
+    g = torch.Generator().manual_seed(1)
+    low = max(args.prompt_len + 2, args.seq_len // 8)
+    var = [int(x) for x in torch.randint(low, args.seq_len + 1, (args.batch,), generator=g)]
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+        t0 = time.perf_counter()
+        model_dir = build_model_dir(config, Path(tmp) / "model")
+        print(f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s", flush=True)
+        for name in configs:
+            lengths = var if name.endswith("/var") else fixed
+            batch = make_batch(lengths, config.vocab_size, args.prompt_len, args.group)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                if name.startswith("plain"):
+                    res = run_plain(model_dir, batch, args)
+                else:
+                    res = run_rlbus(model_dir, batch, args, packed="+pack" in name, gc_on="+gc" in name)
+            except Exception as exc:  # one failing config must not lose the others' numbers
+                import traceback
+
+                traceback.print_exc()
+                results[name] = {"error": repr(exc)}
+                continue
+            finally:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            tokens = sum(lengths)
+            seq_eff = sum(n * n for n in lengths) / tokens
+            flops_tok = parallel.train_flops_per_token(config, seq_eff)
+            step_s = statistics.median(res["times"])
+            res.update(tokens=tokens, padded_tokens=len(lengths) * max(lengths), step_s=step_s,
+                       tokens_per_s=tokens / step_s,
+                       mfu=parallel.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
+                       tflops=tokens / step_s * flops_tok / 1e12, wall_s=time.perf_counter() - t0,
+                       peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
+            results[name] = res
+            print(f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
+                  f"({res['wall_s']:.0f}s incl. set-up)", flush=True)
+    print_table(results, args, config)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
+    parallel.shutdown()
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) -> None:
+    print(f"\nseq_len {args.seq_len}, batch {args.batch} sequences, micro-batch {args.micro}, {args.dtype}, "
+          f"{config.num_hidden_layers} layers x hidden {config.hidden_size}, vocab {config.vocab_size}")
+    header = f"{'config':16s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} " \
+             f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs plain':>8s}"
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:16s} ERROR {r['error']}")
+            continue
+        base = results.get("plain/var" if name.endswith("/var") else "plain", {})
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else float("nan")
+        pad = 1 - r["tokens"] / r["padded_tokens"]
+        print(f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
+              f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_mem_gb']:7.1f} {ratio:8.2f}")
+    for name, r in results.items():
+        if "packed_vs_padded_max_abs_dlogp" in r:
+            print(f"{name}: packed vs padded log-probs, max |diff| {r['packed_vs_padded_max_abs_dlogp']:.3g}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
