@@ -25,6 +25,7 @@ from typing import Any
 def _learner(model_dir: str, port: int, pushes: int, replies: Any) -> None:
     """Learner side of the push: plans the model's weights once, hosts the group, sends `pushes` times."""
     import torch
+
     from rlbus.modeling import load_causal_lm
     from rlbus.weight_sync import WeightSender
 

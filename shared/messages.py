@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
+
 from rlbus import codec
 
 SCHEMA_VERSION = 1

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+
 from rlbus.tasks import Example, Task, get_task
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -325,6 +326,7 @@ def build_tiny_model(
     model.save_pretrained(str(out))
     save_tokenizer(tokenizer, out)
     import transformers
+
     from rlbus import __version__
 
     info = {

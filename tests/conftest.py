@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
 from rlbus.bus import Bus, LocalNatsServer
 from rlbus.bus.local_server import DEFAULT_URL, jetstream_server_at
 from rlbus.config.schema import RlbusConfig

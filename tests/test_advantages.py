@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from rlbus.learner.algorithms import (
     compute_advantages,
     dr_grpo_advantages,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import structlog
 from nats.js.errors import ObjectNotFoundError
+
 from rlbus import codec
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, RunState, Stage, connect, redact_url
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from rlbus.learner.algorithms import groups_with_reward_variance, overlong_penalty
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import BaseModel
+
 from rlbus.config.loader import load_config
 from rlbus.config.schema import RlbusConfig
 

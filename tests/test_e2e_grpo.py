@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from e2e_utils import Run, make_config
+
 from rlbus.learner.service import read_frames
 from rlbus.messages import ReadyGroup, decode
 
@@ -87,9 +88,10 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     assert {g.scored.trajectories.policy_version for g in groups0} == {0}
     assert {g.scored.trajectories.policy_version for g in groups1} == {1}, "async_level=0 is on-policy"
 
-    from rlbus.tiny_model import default_model_path
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    from rlbus.tiny_model import default_model_path
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)

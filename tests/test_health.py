@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from rlbus.health import HealthServer, ServiceMetrics
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_tiny import build_tiny_model
+
 from rlbus.messages import SamplingParams
 from rlbus.modeling import response_logprobs
 from rlbus.rollout.engines.base import GenerationRequest
@@ -229,6 +230,7 @@ def test_weight_push_over_gloo_swaps_weights(tiny: Path) -> None:
     import multiprocessing as mp
 
     from helpers_tiny import perturbed_model, push_weights_process
+
     from rlbus.messages import WeightAnnouncement
     from rlbus.weight_sync import free_port
 

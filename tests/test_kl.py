@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from rlbus.learner.algorithms import AdaptiveKLController, FixedKLController, build_kl_controller, kl_estimate
 
 

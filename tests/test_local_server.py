@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from rlbus.bus import Bus, LocalNatsServer, Stage, resolve_bus_url
 from rlbus.bus import local_server as local_server_mod
 from rlbus.bus.local_server import (

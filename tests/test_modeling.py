@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_tiny import build_tiny_model
+
 from rlbus.modeling import (
     load_causal_lm,
     load_tokenizer,

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from rlbus.learner.algorithms import (
     aggregate_loss,
     entropy_from_logits,

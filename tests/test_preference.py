@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from rlbus.learner.algorithms import dpo_loss, kto_loss, sequence_logps, simpo_loss
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from e2e_utils import Run, make_config
+
 from rlbus.config.schema import RewardConfig
 from rlbus.launcher import ServiceProcess
 from rlbus.messages import PromptWork, Sample, SamplingParams, TrajectoryGroup

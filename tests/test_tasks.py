@@ -6,6 +6,7 @@ import builtins
 import json
 
 import pytest
+
 from rlbus.tasks import (
     TASK_NAMES,
     AdditionTask,

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from rlbus.tasks import get_task
 from rlbus.tiny_model import (
     CHARACTERS,

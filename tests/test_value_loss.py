@@ -1,6 +1,7 @@
 """Clipped value loss against a hand-computed case."""
 
 import torch
+
 from rlbus.learner.algorithms import clipped_value_loss
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from rlbus.weight_sync import (
     ALIGN,
     TensorMeta,

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from nats.aio.client import Client
 from nats.errors import AuthorizationError
+
 from rlbus.config.schema import BusConfig
 
 try:

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import BadRequestError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
 from rlbus import codec
 from rlbus.bus.connect import log
 from rlbus.bus.subjects import RunNames

@@ -40,6 +40,7 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 from nats.js.object_store import ObjectStore
+
 from rlbus import codec
 from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
 from rlbus.config.schema import RlbusConfig
 
 # verl prefixes -> ours. Longest match wins; keys not listed pass through unchanged.

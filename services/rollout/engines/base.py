@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from rlbus.messages import SamplingParams, WeightAnnouncement
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import (
     effective_temperature,
@@ -23,7 +25,6 @@ from rlbus.modeling import (
     response_logprobs,
 )
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig

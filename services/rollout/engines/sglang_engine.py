@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     import torch
+
     from rlbus.config import RlbusConfig
 
 
