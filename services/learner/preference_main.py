@@ -292,7 +292,9 @@ def compute_ref_values(
         kl_seqs,
         [(e.prompt_ids, e.completion_ids) for e in data.eval_unpaired],
     ]
-    if cfg.preference.algorithm != "kto":
+    if cfg.preference.algorithm == "kto":
+        parts[0], parts[1] = [], []  # KTO trains on the unpaired examples (pairs unpaired already)
+    else:
         parts[4], parts[5] = [], []  # DPO trains on pairs only
     t0 = time.perf_counter()
     flat = ref_logps(cfg, [s for part in parts for s in part], device, log)
