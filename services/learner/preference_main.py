@@ -160,7 +160,7 @@ def local_ref_logps(cfg: RlbusConfig, seqs: Sequence[Seq], device: torch.device)
     pad_id = int(load_tokenizer(path, cfg.model.trust_remote_code).pad_token_id)
     try:
         return response_logprobs(
-            ref, [s[0] for s in seqs], [s[1] for s in seqs], pad_id, 1.0, cfg.preference.eval_batch_size
+            ref, [s[0] for s in seqs], [s[1] for s in seqs], pad_id, 1.0, cfg.ref.micro_batch_size
         )
     finally:
         del ref
@@ -628,6 +628,8 @@ def build_trainer(cfg: RlbusConfig, run_dir: Path) -> tuple[Trainer, Any]:
     )
     if cfg.model.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.model.lora_rank:
+        _log("model.lora_rank is ignored here: preference training fine-tunes every weight")
     disable_dropout(model)
     optimizer, scheduler = build_optimizer(model, pcfg)
     trainer = Trainer(
