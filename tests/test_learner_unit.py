@@ -68,3 +68,13 @@ def test_one_update_changes_weights_and_reports_finite_metrics(overrides: list[s
     changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert changed
     assert metrics["actor/grad_norm"] > 0
+
+
+def test_gsm8k_jsonl_keeps_the_final_answer(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": "Add them.\n#### 1,004"}) + "\n")
+    cfg = load_config(None, ["data.task=jsonl", f"data.train_files=[{path}]", "data.prompt_key=question"])
+    [(prompt, meta)] = load_split(cfg.data, "train")
+    assert prompt == "2+2?" and meta["answer"] == "1004" and meta["task"] == "gsm8k"

@@ -30,6 +30,13 @@ def _read_records(paths: list[Path]) -> list[dict[str, Any]]:
     return records
 
 
+def _final_answer(answer: str, task: str) -> str:
+    """GSM8K answers hold the worked solution then '#### 42': the verifier needs only the 42."""
+    if task == "gsm8k" and "####" in answer:
+        return answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return answer
+
+
 def load_split(cfg: DataConfig, split: str) -> list[tuple[str, dict[str, Any]]]:
     """(prompt, meta) pairs; meta carries what the reward verifier needs (task name, answer, ...)."""
     if cfg.task == "jsonl":
@@ -41,7 +48,7 @@ def load_split(cfg: DataConfig, split: str) -> list[tuple[str, dict[str, Any]]]:
             meta = {k: v for k, v in rec.items() if k != cfg.prompt_key}
             meta.setdefault("task", rec.get("task", "gsm8k"))
             if cfg.answer_key in rec:
-                meta["answer"] = str(rec[cfg.answer_key])
+                meta["answer"] = _final_answer(str(rec[cfg.answer_key]), meta["task"])
             out.append((str(rec[cfg.prompt_key]), meta))
         return out
     from rlbus.tasks import get_task
