@@ -18,6 +18,8 @@ SHORT = [
     f"trainer.total_training_steps={SHORT_STEPS}", "trainer.async_level=1", "rollout.replicas=1",
     "data.train_batch_size=4", "rollout.n=4", "rollout.prompts_per_batch=4", "trainer.test_freq=-1",
     "trainer.val_before_train=false",
+    # two optimizer steps per batch: the second one's ratios differ from 1, so the clips are exercised
+    "actor.ppo_mini_batch_size=2",
 ]
 
 ALGORITHMS: dict[str, list[str]] = {
@@ -55,6 +57,8 @@ def test_algorithm_trains_through_the_services(algo: str, nats_url: str, run_id:
     assert any(r["actor/grad_norm"] > 0 for r in train)
     # every step trained a full batch: exactly train_batch_size groups each
     assert len(ledger["trained"]) == SHORT_STEPS * cfg.data.train_batch_size
+    if algo == "gspo":  # sequence-level ratios after one step are far outside 1 +- 4e-4
+        assert max(r["actor/clipfrac"] for r in train) > 0.2, [r["actor/clipfrac"] for r in train]
     if algo == "ppo_gae":
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_variance"):
             assert _finite(train, key), (key, [r.get(key) for r in train])
