@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
 from rlbus.rollout.engines.base import Completion, GenerationRequest
@@ -231,6 +232,7 @@ def test_seeded_requests_are_reproducible(engine: Any, prompts: list) -> None:
 def _learner_side(model_dir: str, port: int, commands: Any, replies: Any) -> None:
     """A separate process playing the learner: perturbs the weights, saves them, pushes them with WeightSender."""
     import torch
+
     from rlbus.modeling import load_causal_lm
     from rlbus.weight_sync import WeightSender
 
