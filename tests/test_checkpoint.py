@@ -270,3 +270,31 @@ def test_export_hf_loads_in_vllm_with_the_learners_logprobs(trained: PolicyTrain
         engine.close()
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_ppo_critic_survives_a_checkpoint(tmp_path) -> None:
+    """A resumed PPO run continues with the trained value model, not a fresh zero head."""
+    import numpy as np
+    import torch
+
+    from rlbus.config import load_config
+    from rlbus.learner.batch import collate
+    from rlbus.learner.checkpoint import load_checkpoint, save_checkpoint
+    from rlbus.learner.trainer import PolicyTrainer
+    from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
+    from rlbus.tiny_model import default_model_path
+
+    cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2"])
+    work = PromptWork(run_id="r", prompt_id="p", index=0, step=0, min_policy_version=0, prompt_ids=[3, 4, 5], n=2,
+                      sampling=SamplingParams())
+    samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, np.float32)) for r in ([6, 7], [8])]
+    traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
+    batch = collate([ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=[1.0, 0.0], correct=[True, False]))], 0)
+    trained = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=4)
+    trained.train_step(batch)
+    save_checkpoint(tmp_path / "step_1", trained, {"step": 1})
+    fresh = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=4)
+    assert not torch.allclose(fresh.critic.values(batch), trained.critic.values(batch))
+    load_checkpoint(tmp_path / "step_1", fresh)
+    assert torch.allclose(fresh.critic.values(batch), trained.critic.values(batch))
+    assert fresh.critic.scheduler.state_dict()["last_epoch"] == trained.critic.scheduler.state_dict()["last_epoch"]

@@ -281,10 +281,18 @@ def save_checkpoint(path: str | os.PathLike, trainer: Any, extra: dict[str, Any]
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     with _single_process_quiet():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    critic = getattr(trainer, "critic", None)
+    if critic is not None:  # PPO: the value model resumes too, or GAE restarts from a zero value head
+        c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
+        with _single_process_quiet():
+            dcp.save({"model": c_model, "optim": c_optim}, checkpoint_id=str(tmp / "critic"))
     _write_json(tmp / f"rng_rank{rank}.json", rng_state())
     if rank == 0:
+        tstate = _trainer_state(trainer)
+        if critic is not None:
+            tstate["critic_scheduler"] = critic.scheduler.state_dict()
         meta = {"format": FORMAT_VERSION, "world_size": _world(), "saved_at": time.time(),
-                "trainer": _trainer_state(trainer), "extra": extra or {}}
+                "trainer": tstate, "extra": extra or {}}
         _write_json(tmp / "meta.json", meta)
         _save_hf_files(trainer.model, tokenizer, tmp / "hf")
     _barrier()
@@ -330,6 +338,18 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     tstate = meta.get("trainer", {})
+    critic = getattr(trainer, "critic", None)
+    if critic is not None:
+        if not (path / "critic").exists():
+            raise CheckpointError(f"{path}: this run has a critic but the checkpoint holds none")
+        c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
+        c_state = {"model": c_model, "optim": c_optim}
+        with _single_process_quiet():
+            dcp.load(c_state, checkpoint_id=str(path / "critic"))
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=c_state["model"],
+                       optim_state_dict=c_state["optim"])
+        if "critic_scheduler" in tstate:
+            critic.scheduler.load_state_dict(tstate["critic_scheduler"])
     sched = getattr(trainer, "scheduler", None)
     if sched is not None and "scheduler" in tstate:
         sched.load_state_dict(tstate["scheduler"])
