@@ -298,3 +298,30 @@ def test_ppo_critic_survives_a_checkpoint(tmp_path) -> None:
     load_checkpoint(tmp_path / "step_1", fresh)
     assert torch.allclose(fresh.critic.values(batch), trained.critic.values(batch))
     assert fresh.critic.scheduler.state_dict()["last_epoch"] == trained.critic.scheduler.state_dict()["last_epoch"]
+
+
+def test_lora_final_export_holds_the_merged_weights(tmp_path) -> None:
+    """With LoRA the exported directory is a plain model with the adapters merged in, not an adapter."""
+    import torch
+
+    from rlbus.config import load_config
+    from rlbus.learner.export import save_hf
+    from rlbus.learner.parallel import full_state_items
+    from rlbus.learner.trainer import PolicyTrainer
+    from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
+    from rlbus.tiny_model import default_model_path
+
+    trainer = PolicyTrainer(load_config(None, ["model.lora_rank=4", "model.lora_alpha=8"]), default_model_path(),
+                            torch.device("cpu"), total_steps=2)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    out = save_hf(trainer.model, load_tokenizer(default_model_path()), tmp_path / "final")
+    merged = load_causal_lm(default_model_path())
+    merged.load_state_dict(dict(full_state_items(trainer.model)))
+    exported, base = load_causal_lm(out), load_causal_lm(default_model_path())
+    prompts, responses = [[5, 6, 7]], [[8, 9, 10]]
+    got = response_logprobs(exported, prompts, responses, 0)[0]
+    assert abs(got - response_logprobs(merged, prompts, responses, 0)[0]).max() < 1e-6
+    assert abs(got - response_logprobs(base, prompts, responses, 0)[0]).max() > 1e-3

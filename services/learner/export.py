@@ -100,8 +100,13 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
 
     Replaces an earlier export at `out_dir`. Every rank calls it; rank 0 writes.
     """
+    from rlbus.learner.parallel import full_state_items, is_lora
+
     out = Path(out_dir)
-    state = full_model_state(model)
+    lora = is_lora(model)
+    # LoRA: write the merged weights under the base names, a model any engine loads (not just the adapter)
+    state = ({k: v.detach().to("cpu") for k, v in full_state_items(model)} if lora else full_model_state(model))
+    target = hf_module(model).get_base_model() if lora else hf_module(model)
     if _rank() == 0:
         old = out.with_name(out.name + ".old")
         if out.exists():
@@ -110,7 +115,7 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
 
         def write(tmp: Path) -> None:
             _save_hf_files(model, tokenizer, tmp)
-            hf_module(model).save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            target.save_pretrained(tmp, state_dict=state)
 
         _write_dir_atomically(out, write)
         with contextlib.suppress(OSError):
