@@ -18,7 +18,8 @@ from rlbus.bus.transport import CLAIM_HEADER, CLAIM_SIZE_HEADER
 from rlbus.config import RlbusConfig
 from rlbus.messages import SCHEMA_VERSION, PromptWork, SamplingParams, encode
 
-STEPS, BATCH = 8, 8
+STEPS, BATCH = 30, 8  # long enough that the attack lands mid-run on a fast machine
+RESTART_STEPS = 200  # a step takes ~0.1 s on an idle machine: both outages must land mid-run
 RUN = [
     f"trainer.total_training_steps={STEPS}", f"data.train_batch_size={BATCH}", "rollout.n=4",
     "rollout.prompts_per_batch=4", "trainer.async_level=1", "trainer.val_before_train=false", "trainer.test_freq=0",
@@ -28,7 +29,8 @@ RUN = [
 def _check_ledger(run: Run) -> dict:
     ledger = run.ledger()
     dispatched, trained, dropped = set(ledger["dispatched"]), set(ledger["trained"]), set(ledger["dropped"])
-    assert len(trained) == STEPS * BATCH, f"trained {len(trained)} prompts, want {STEPS * BATCH}"
+    steps = int(run.cfg.trainer.total_training_steps or STEPS)
+    assert len(trained) == steps * BATCH, f"trained {len(trained)} prompts, want {steps * BATCH}"
     assert trained.isdisjoint(dropped)
     assert dispatched == trained | dropped, "every dispatched prompt is trained on or explicitly dropped"
     return ledger
@@ -42,14 +44,15 @@ def _logs(run: Run) -> str:
 def test_nats_restart_and_crash_mid_run_lose_no_work(
     private_nats: LocalNatsServer, run_id: str, tmp_path: Path
 ) -> None:
-    """A graceful restart at step 3 and a crash (SIGKILL) at step 5, each with 2 s of outage."""
-    cfg = make_config(private_nats.url, run_id, tmp_path, RUN)
+    """A graceful restart at step 3 and a crash (SIGKILL) two steps later, each with 2 s of outage."""
+    cfg = make_config(private_nats.url, run_id, tmp_path, [*RUN, f"trainer.total_training_steps={RESTART_STEPS}"])
     with Run(cfg) as run:
         run.wait_for_step(3, 150)
         private_nats.stop()  # SIGTERM: JetStream flushes its file store; the port stays ours
         time.sleep(2.0)  # every service sees the outage, not just a blip
         private_nats.start()
-        run.wait_for_step(5, 120)
+        run.wait_for_step(int(run.metrics()[-1]["step"]) + 2, 120)
+        assert run.learner.alive, "the run ended before the crash; make it longer"
         private_nats.kill()  # a crash: consumer state on disk may be behind what was delivered
         time.sleep(2.0)
         private_nats.start()
@@ -58,10 +61,10 @@ def test_nats_restart_and_crash_mid_run_lose_no_work(
         assert all(p.alive for p in run.procs if p.name != "learner"), _logs(run)
         _check_ledger(run)
         rows = [r for r in run.metrics() if "reward/mean" in r]
-        assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
-        text = _logs(run)
-        assert text.count("bus.reconnected") >= 6, text  # each of the three services, twice
-        assert "Traceback" not in text, text
+        assert [int(r["step"]) for r in rows] == list(range(1, RESTART_STEPS + 1))
+        text = "\n".join(p.log_path.read_text(errors="replace") for p in run.procs)  # whole logs, not tails
+        assert text.count("bus.reconnected") >= 6, _logs(run)  # each of the three services, twice
+        assert "Traceback" not in text, _logs(run)
 
 
 MiB = 1024 * 1024
@@ -138,7 +141,8 @@ def test_hostile_messages_are_dead_lettered_and_the_run_completes(
             time.sleep(2.0)
         assert counts == want, f"dead letters {counts}, want {want}\n{_logs(run)}"
         drained_s = time.monotonic() - t0
-        assert all(p.alive for p in run.procs), _logs(run)
+        # every service is still up (the learner may already have finished its run, cleanly)
+        assert all(p.alive or (p.name == "learner" and p.proc.returncode == 0) for p in run.procs), _logs(run)
         for (reason, headers, _data), fragment in zip(first, expected, strict=True):
             assert fragment in reason, (fragment, reason)
             assert headers["Rlbus-Stage"] == "trajectories" and headers["Rlbus-Consumer"] == "reward"

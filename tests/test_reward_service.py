@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from rlbus.reward.scorers import FunctionScorer, TaskScorer, build_scorer
 from rlbus.reward.service import score_group
 
 TESTS = str(Path(__file__).parent)
+STEPS = 40
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +77,7 @@ def test_bad_function_spec_fails_at_start_naming_it() -> None:
 @pytest.mark.timeout(400)
 def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id: str, tmp_path: Path) -> None:
     cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=1", "trainer.total_training_steps=12", "data.train_batch_size=8", "rollout.n=4",
+        "trainer.async_level=1", f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8", "rollout.n=4",
         "trainer.val_before_train=false", "trainer.test_freq=-1",
     ])
     with Run(cfg) as run:
@@ -84,6 +86,10 @@ def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id
         assert first.proc is not None
         first.proc.send_signal(signal.SIGTERM)  # graceful: finishes its item, the rest stays on the bus
         first.proc.wait(30)
+        stalled_at = len(run.metrics())
+        time.sleep(3.0)  # no scorer: the learner waits (and says so) instead of training on unscored work
+        assert len(run.metrics()) <= stalled_at + 2, "steps went on without a reward service"
+        assert stalled_at < STEPS, "the run finished before the swap; make it longer"
         swapped = ServiceProcess(
             "reward-fn", "reward",
             ["--config", str(run.config_path), "--instance-id", "reward-fn", "reward.type=function",
@@ -95,9 +101,9 @@ def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id
         assert rc == 0, run.logs("learner") + "\n" + run.logs("reward-fn")
         rows = run.metrics()
         ledger = run.ledger()
-    assert len(rows) == 12
+    assert len(rows) == STEPS
     assert set(ledger["dispatched"]) == set(ledger["trained"]) | set(ledger["dropped"])
-    assert len(ledger["trained"]) == 12 * 8
+    assert len(ledger["trained"]) == STEPS * 8
     # The last steps were scored by the function (it pays 2.0 per right answer, the verifier 1.0).
     late = rows[-1]
     assert late["reward/accuracy"] > 0 and late["reward/mean"] == pytest.approx(2 * late["reward/accuracy"])
