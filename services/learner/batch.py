@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from rlbus.messages import ReadyGroup
+from rlbus.modeling import pad_batch
 
 
 @dataclass
@@ -66,23 +67,17 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
             group_ids.append(gid)
             versions.append(traj.policy_version)
 
-    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    bsz = len(prompts)
-    input_ids = torch.full((bsz, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((bsz, length), dtype=torch.long)
-    resp_mask = torch.zeros((bsz, length - 1), dtype=torch.float32)
-    beh = torch.zeros((bsz, length - 1), dtype=torch.float32)
-    ref = torch.zeros((bsz, length - 1), dtype=torch.float32) if refs else None
+    # the one padding rule the engines' log-prob recompute uses: right padded, positions from the mask
+    input_ids, attention, position_ids, resp_mask_long = pad_batch(prompts, responses, pad_id)
+    resp_mask = resp_mask_long.float()
+    bsz, width = resp_mask.shape
+    beh = torch.zeros((bsz, width), dtype=torch.float32)
+    ref = torch.zeros((bsz, width), dtype=torch.float32) if refs else None
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        seq = p + r
-        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[b, : len(seq)] = 1
         start, end = len(p) - 1, len(p) - 1 + len(r)  # logits at t predict token t+1
-        resp_mask[b, start:end] = 1.0
         beh[b, start:end] = torch.from_numpy(behaviour[b][: len(r)])
         if ref is not None:
             ref[b, start:end] = torch.from_numpy(refs[b][: len(r)])
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention, position_ids=position_ids, response_mask=resp_mask,
         behaviour_logprobs=beh, ref_logprobs=ref, rewards=torch.tensor(rewards, dtype=torch.float32),
