@@ -24,6 +24,9 @@ def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_
         "trainer.async_level=1", "rollout.replicas=2", "trainer.total_training_steps=150",
         "data.train_batch_size=16", "rollout.n=8", "trainer.test_freq=50", "trainer.val_before_train=true",
         "data.val_batch_size=256", "data.num_val_examples=256",
+        # With a constant lr greedy accuracy peaks near step 50 and drifts back (0.50 -> 0.71 -> 0.61 once);
+        # cosine decay keeps the gain (0.50 -> 0.78/0.79 at the end in two runs).
+        "actor.optim.lr_scheduler=cosine",
     ])
     with Run(cfg) as run:
         rc = run.wait_learner(800)

@@ -193,6 +193,7 @@ def test_async_grpo_vllm_two_replicas_accuracy_rises(nats_url: str, run_id: str,
             "trainer.val_before_train=true",
             "data.val_batch_size=128",
             "trainer.batch_timeout_s=300",
+            "actor.optim.lr_scheduler=cosine",  # keeps the gain to the end (see test_e2e_grpo)
         ],
     )
     run = Run(cfg)

@@ -46,6 +46,22 @@ def _assert_png(path: Path) -> None:
     assert float(img[..., :3].std()) > 0.05, "the image is blank"
 
 
+def _status_once_rollout_reported(config_path: Path, deadline_s: float) -> str:
+    """`rlbus status` output once rollout-0's heartbeat carries its first generation's stats.
+
+    Heartbeats go out every 2 s, so on a fast machine step 2 can land before the first heartbeat that
+    follows the replica's first generation; status is right to show '-' until then.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        out = _rlbus("status", "--config", str(config_path))
+        assert out.returncode == 0, out.stderr
+        rollout = _row(out.stdout, "rollout rollout-0")
+        if "-" not in rollout[7:9] or time.monotonic() > deadline:
+            return out.stdout
+        time.sleep(1.0)
+
+
 @pytest.mark.timeout(300)
 def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Path) -> None:
     # Long enough to be still running while status looks at it on a fast machine; stopped once checked.
@@ -55,9 +71,7 @@ def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Pat
     ])
     with Run(cfg) as run:
         run.wait_for_step(2, 180)
-        out = _rlbus("status", "--config", str(run.config_path))
-        assert out.returncode == 0, out.stderr
-        text = out.stdout
+        text = _status_once_rollout_reported(run.config_path, deadline_s=60)
         header = text.splitlines()[0]
         assert header.startswith(f"run {run_id}") and "learner policy version" in header
         version = int(header.split("learner policy version")[1].split()[0])
