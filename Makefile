@@ -57,6 +57,7 @@ bench: bench-rollout
 
 bench-rollout:
 	$(PY) bench/rollout.py
+	$(PY) bench/rollout.py --random-model 768:12 --prompts 16 --n 4 --max-tokens 16
 
 bench-learner:
 	$(PY) bench/learner.py

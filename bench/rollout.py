@@ -7,6 +7,7 @@ after the other (never side by side), so they do not compete for the CPU.
 
     python bench/rollout.py                      # the bundled tiny model
     python bench/rollout.py --model DIR --prompts 32 --n 4 --max-tokens 64
+    python bench/rollout.py --random-model 768:12 --prompts 16 --n 4 --max-tokens 16   # ~90M params, random
 """
 
 from __future__ import annotations
@@ -92,6 +93,28 @@ def bench_push(engine: Any, model_dir: Path, pushes: int) -> dict[str, float]:
     }
 
 
+def build_random_model(spec: str, out_dir: Path) -> Path:
+    """A random-weight Qwen2 of `HIDDEN:LAYERS` (head_dim 64) on the tiny character tokenizer, built
+    locally, so engine overheads can be compared on a model where compute, not bookkeeping, dominates."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from rlbus.tiny_model import build_tokenizer, make_config
+
+    hidden, layers = (int(x) for x in spec.split(":"))
+    heads = max(1, hidden // 64)
+    tok = build_tokenizer(out_dir)
+    config = make_config(tok, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 4) if heads % 4 == 0 else heads, head_dim=64,
+                         intermediate_size=(hidden * 8 // 3 + 63) // 64 * 64)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(str(out_dir))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"random model {spec}: {params / 1e6:.1f}M parameters in {out_dir}", flush=True)
+    return out_dir
+
+
 def bench_engine(
     name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, float]:
@@ -168,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", type=Path, default=None, help="HF model directory (default: the bundled tiny model)"
     )
+    parser.add_argument("--random-model", default=None, metavar="HIDDEN:LAYERS",
+                        help="build a random-weight Qwen2 of this shape instead of using --model")
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -188,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     from rlbus.tasks import get_task
     from rlbus.tiny_model import ensure_default_model
 
-    model_dir = args.model or ensure_default_model()
+    if args.random_model:
+        import tempfile
+
+        model_dir = build_random_model(args.random_model, Path(tempfile.mkdtemp(prefix="rlbus-bench-")))
+    else:
+        model_dir = args.model or ensure_default_model()
     tok = load_tokenizer(model_dir)
     examples = get_task("addition").make_examples("val", args.prompts, seed=1)
     prompts = [tok.encode(ex.prompt, add_special_tokens=False) for ex in examples]
