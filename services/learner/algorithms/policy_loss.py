@@ -85,6 +85,15 @@ def aggregate_loss(
     return seq_losses.sum() / global_seqs
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic per-token loss ``max(-A*r, -A*clip(r, 1-low, 1+high))`` and where the clip won."""
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
+
+
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -125,10 +134,7 @@ def ppo_clip_loss(
     advantages = advantages.detach()
     log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
+    loss_mat, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     dual_clipped = torch.zeros_like(clipped)
     if dual_clip_c is not None:
         bound = -advantages * dual_clip_c
@@ -137,14 +143,8 @@ def ppo_clip_loss(
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(
-        loss_mat,
-        mask,
-        loss_agg_mode,
-        norm_length=norm_length,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-    )
+    loss = aggregate_loss(loss_mat, mask, loss_agg_mode, norm_length=norm_length, global_tokens=global_tokens,
+                          global_seqs=global_seqs)
     with torch.no_grad():
         stats = {
             "clipfrac": _masked_mean(clipped.to(mask.dtype), mask),
@@ -192,20 +192,11 @@ def gspo_loss(
     seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1) / lengths.clamp(min=1.0)
     log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(log_ratio.clamp(max=_MAX_SEQ_LOG_RATIO))
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = loss_clipped > loss_unclipped
+    loss_mat, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(
-        loss_mat,
-        mask,
-        loss_agg_mode,
-        norm_length=norm_length,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-    )
+    loss = aggregate_loss(loss_mat, mask, loss_agg_mode, norm_length=norm_length, global_tokens=global_tokens,
+                          global_seqs=global_seqs)
     with torch.no_grad():
         seq_valid = (lengths > 0).to(mask.dtype)
         stats = {
