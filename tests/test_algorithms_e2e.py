@@ -101,9 +101,9 @@ def test_accuracy_rises(algo: str, nats_url: str, run_id: str, tmp_path: Path) -
     # update adds nothing. Accuracy plateaus after ~50 steps and wobbles there, so: the better of the two
     # later evaluations is 12 points up, and the final one still 8 points up.
     assert max(val[1:]) > val[0] + 0.12 and val[-1] > val[0] + 0.08, f"{algo}: val accuracy {val}"
-    start = float(np.mean([r["reward/accuracy"] for r in train[:10]]))
-    end = float(np.mean([r["reward/accuracy"] for r in train[-10:]]))
-    assert end > start + 0.05, f"{algo}: sampled accuracy {start:.3f} -> {end:.3f}"
+    start = float(np.mean([r["reward/accuracy"] for r in train[:25]]))  # 25-step means: see test_e2e_grpo
+    end = float(np.mean([r["reward/accuracy"] for r in train[-25:]]))
+    assert end > start + 0.03, f"{algo}: sampled accuracy {start:.3f} -> {end:.3f}"
     assert all(math.isfinite(r["actor/loss"]) for r in train)
     if algo == "ppo_gae":
         # the zero-init critic learns at least the level of the return (here: the mean reward)

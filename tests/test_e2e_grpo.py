@@ -38,8 +38,10 @@ def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_
     # Greedy accuracy on 256 held-out prompts: the warm start gets ~50%. A random-direction update
     # does not add 12 points (the standard error of one evaluation is ~3.1 points).
     assert val[-1] > val[0] + 0.12, f"val accuracy {val}"
-    start, end = _mean(train[:10], "reward/accuracy"), _mean(train[-10:], "reward/accuracy")
-    assert end > start + 0.05, f"sampled accuracy {start:.3f} -> {end:.3f}"
+    # Sampled (T=0.7) accuracy rises less (~0.39 -> ~0.48 in 25-step means; one mean's standard error is ~1.4
+    # points), so its bar is lower and its windows wide enough that noise does not cross it.
+    start, end = _mean(train[:25], "reward/accuracy"), _mean(train[-25:], "reward/accuracy")
+    assert end > start + 0.03, f"sampled accuracy {start:.3f} -> {end:.3f}"
     assert max(r["staleness/max"] for r in train) <= 1
     assert all(np.isfinite(r["actor/loss"]) for r in train)
     assert {r["staleness/hist_1"] > 0 for r in train[5:] if "staleness/hist_1" in r} == {True}
