@@ -18,6 +18,7 @@ from rlbus.logs import get_logger, setup_logging
 from rlbus.messages import Heartbeat
 
 HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_STATUS_POLL_S = 0.25  # how soon a status change goes out
 
 
 @dataclass
@@ -60,14 +61,20 @@ def default_instance_id(service: str) -> str:
 
 
 async def _heartbeat_loop(ctx: ServiceContext) -> None:
+    """Beats every HEARTBEAT_INTERVAL_S, and at once when the status changes (so `ready` is seen
+    without waiting for the next beat)."""
+    sent_status: str | None = None
+    sent_at = float("-inf")
     while not ctx.stop.is_set():
         if ctx.health is not None:
             ctx.health.set_ready(ctx.status == "ready", reason=ctx.status)
-        try:
-            await ctx.state.heartbeat(ctx.heartbeat())
-        except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves
-            ctx.log.warning("heartbeat failed", error=str(exc))
-        if await ctx.sleep_or_stop(HEARTBEAT_INTERVAL_S):
+        if ctx.status != sent_status or time.monotonic() - sent_at >= HEARTBEAT_INTERVAL_S:
+            sent_status, sent_at = ctx.status, time.monotonic()
+            try:
+                await ctx.state.heartbeat(ctx.heartbeat())
+            except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves
+                ctx.log.warning("heartbeat failed", error=str(exc))
+        if await ctx.sleep_or_stop(HEARTBEAT_STATUS_POLL_S):
             break
 
 

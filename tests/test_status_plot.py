@@ -47,9 +47,10 @@ def _assert_png(path: Path) -> None:
 
 
 def _status_once_rollout_reported(config_path: Path, deadline_s: float) -> str:
-    """`rlbus status` output once rollout-0's heartbeat carries its first generation's stats.
+    """`rlbus status` output once the learner's heartbeat says ready and rollout-0's carries its first
+    generation's stats.
 
-    Heartbeats go out every 2 s, so on a fast machine step 2 can land before the first heartbeat that
+    Stats ride on heartbeats every 2 s, so on a fast machine step 2 can land before the first heartbeat that
     follows the replica's first generation; status is right to show '-' until then.
     """
     deadline = time.monotonic() + deadline_s
@@ -57,7 +58,8 @@ def _status_once_rollout_reported(config_path: Path, deadline_s: float) -> str:
         out = _rlbus("status", "--config", str(config_path))
         assert out.returncode == 0, out.stderr
         rollout = _row(out.stdout, "rollout rollout-0")
-        if "-" not in rollout[7:9] or time.monotonic() > deadline:
+        learner = _row(out.stdout, "learner learner")
+        if ("-" not in rollout[7:9] and learner[2] == "ready") or time.monotonic() > deadline:
             return out.stdout
         time.sleep(1.0)
 
