@@ -21,10 +21,10 @@ attention per token, recompute not counted, padding not counted (see ``parallel.
 Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 4, bf16, the
 median of 3 steps), latest run (2026-12-02, default configs): plain 67.3k tok/s (22.0% MFU); rlbus 60.7k
 (19.8%, 0.90x); rlbus+pack 52.0k (0.77x); rlbus+gc 43.2k (0.64x); mixed lengths: plain 35.4k, rlbus 32.7k
-(0.92x), rlbus+pack 35.5k (1.00x). An earlier run: plain 69.9k tok/s (22.8% MFU); rlbus 62.2k (20.3%, 0.89x plain); rlbus+pack 57.7k
-(0.82x: equal lengths, nothing to unpad); on mixed lengths (42% padding) plain 39.5k, rlbus 33.6k (0.85x),
-rlbus+pack 46.3k (1.17x plain, 1.38x padded rlbus). FSDP2 over a world of one: 51.7k (0.74x); seq_len 1024
-x 32: plain 46.8k, rlbus 43.7k (0.93x), rlbus+fsdp 29.8k (0.64x).
+(0.92x), rlbus+pack 35.5k (1.00x). An earlier run: plain 69.9k tok/s (22.8% MFU); rlbus 62.2k (20.3%, 0.89x
+plain); rlbus+pack 57.7k (0.82x: equal lengths, nothing to unpad); on mixed lengths (42% padding) plain
+39.5k, rlbus 33.6k (0.85x), rlbus+pack 46.3k (1.17x plain, 1.38x padded rlbus). FSDP2 over a world of one:
+51.7k (0.74x); seq_len 1024 x 32: plain 46.8k, rlbus 43.7k (0.93x), rlbus+fsdp 29.8k (0.64x).
 
 Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
 ``rlbus.<service>`` -> ``services/<service>/`` are mapped at start-up):

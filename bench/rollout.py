@@ -7,7 +7,7 @@ after the other (never side by side), so they do not compete for the CPU.
 
     python bench/rollout.py                      # the bundled tiny model
     python bench/rollout.py --model DIR --prompts 32 --n 4 --max-tokens 64
-    python bench/rollout.py --random-model 768:12 --prompts 16 --n 4 --max-tokens 16   # ~90M params, random
+    python bench/rollout.py --random-model 768:12 --prompts 16 --n 4 --max-tokens 16   # 74M params, random
 """
 
 from __future__ import annotations

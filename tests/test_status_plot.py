@@ -46,7 +46,7 @@ def _assert_png(path: Path) -> None:
     assert float(img[..., :3].std()) > 0.05, "the image is blank"
 
 
-def _status_once_rollout_reported(config_path: Path, deadline_s: float) -> str:
+def _status_once_learner_and_rollout_reported(config_path: Path, deadline_s: float) -> str:
     """`rlbus status` output once the learner's heartbeat says ready and rollout-0's carries its first
     generation's stats.
 
@@ -73,7 +73,7 @@ def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Pat
     ])
     with Run(cfg) as run:
         run.wait_for_step(2, 180)
-        text = _status_once_rollout_reported(run.config_path, deadline_s=60)
+        text = _status_once_learner_and_rollout_reported(run.config_path, deadline_s=60)
         header = text.splitlines()[0]
         assert header.startswith(f"run {run_id}") and "learner policy version" in header
         version = int(header.split("learner policy version")[1].split()[0])
