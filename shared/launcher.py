@@ -14,6 +14,7 @@ from pathlib import Path
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import progress_line, read_metrics
+from rlbus.notices import read_notices
 
 log = get_logger("launcher")
 
@@ -98,10 +99,42 @@ def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, object | Non
     return run_dir, config_path, server
 
 
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_placement(cfg: RlbusConfig, gpus: int) -> str | None:
+    """What the config alone makes impossible on this box, as the message to print (None when fine)."""
+    from rlbus.weight_transport import PlacementError, check_config_placement
+
+    try:
+        check_config_placement(cfg.trainer.weight_sync_backend, cfg.trainer.device, cfg.rollout.device, gpus)
+    except PlacementError as exc:
+        return str(exc)
+    return None
+
+
+def gpu_env(gpus: int) -> dict[str, str]:
+    """Learner and rollout share a GPU on a one-GPU box: expandable segments keep either from holding
+    fragmented blocks the other needs (the user's own setting wins)."""
+    if gpus == 0 or "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
+    gpus = visible_gpus()
+    refused = check_placement(cfg, gpus)
+    if refused:
+        print(f"rlbus: refused: {refused}", file=sys.stderr, flush=True)
+        return 2
     run_dir, config_path, server = prepare_run(cfg, fresh)
     procs = service_processes(cfg, config_path, run_dir)
+    for p in procs:
+        p.env.update(gpu_env(gpus))
     stopping = False
 
     def _stop(signum: int, _frame: object) -> None:
@@ -113,6 +146,19 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     print(f"rlbus: run {cfg.run.id} in {run_dir} (logs in {run_dir / 'logs'})", flush=True)
     learner = procs[-1]
     shown = 0
+    notices_file = run_dir / "notices.jsonl"
+    notices_at = notices_file.stat().st_size if notices_file.exists() else 0  # a resume's old notices are said
+    said: set[str] = set()
+
+    def show_notices() -> None:
+        nonlocal notices_at
+        rows, notices_at = read_notices(run_dir, notices_at)
+        for row in rows:
+            text = f"rlbus: {row.get('service', '?')}: {row.get('text', '')}"
+            if text not in said:  # a wait repeated every 10 s is said once
+                said.add(text)
+                print(text, file=sys.stderr, flush=True)
+
     try:
         for p in procs:
             p.start()
@@ -122,6 +168,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             for row in rows[shown:]:
                 print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
             shown = len(rows)
+            show_notices()
             for p in procs[:-1]:
                 if not p.alive and p.proc is not None and p.proc.returncode not in (0, None):
                     log.warning("service exited; restarting it", service=p.name, rc=p.proc.returncode,
@@ -138,6 +185,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     rows = read_metrics(run_dir)
     for row in rows[shown:]:
         print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
+    show_notices()
     if rc not in (0, None):
         print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
     return int(rc or 0)

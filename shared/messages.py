@@ -99,6 +99,23 @@ class ReadyGroup(Message):
     ref_logprobs: list[FloatArray] | None = None
 
 
+class IpcBuffer(BaseModel):
+    """The learner's shared CUDA buffer (rlbus.weight_ipc): plain fields of torch's IPC handle, no pickle."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    buffer_id: str = Field(description="changes whenever the learner allocates a new buffer (e.g. a restart)")
+    device_uuid: str
+    handle: bytes
+    storage_size: int = Field(ge=0)
+    storage_offset: int = Field(ge=0)
+    ref_counter_handle: bytes
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+    nbytes: int = Field(ge=0)
+
+
 class WeightAnnouncement(Message):
     """Tells replicas a weight broadcast is coming: which group, which version, which tensors in which order."""
 
@@ -116,6 +133,8 @@ class WeightAnnouncement(Message):
     shapes: list[list[int]]
     buckets: list[list[int]] = Field(description="tensor indices sent together in one flat broadcast")
     checksum: float = Field(description="sum of all values in fp64: the receiver checks it before swapping")
+    ipc_replicas: list[str] = Field(default_factory=list, description="replicas that read `ipc_buffer` instead")
+    ipc_buffer: IpcBuffer | None = None
 
 
 class Heartbeat(Message):
@@ -128,12 +147,14 @@ class Heartbeat(Message):
     status: str = "ok"
     stats: dict[str, float] = Field(default_factory=dict)
     host: str = ""
+    device: str = Field("", description="where the weights live: 'cpu' or 'cuda:<GPU UUID>' (rollout)")
 
 
 class WeightAck(Message):
     kind: ClassVar[str] = "weight_ack"
     replica_id: str
     version: int
+    epoch: int = 0
     ok: bool
     detail: str = ""
 

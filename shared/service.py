@@ -33,6 +33,7 @@ class ServiceContext:
     stats: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
     status: str = "starting"
+    device: str = ""  # where this service keeps its weights, as rlbus.weight_transport.DevicePlace prints it
     health: Any = None
     metrics: Any = None
 
@@ -52,7 +53,7 @@ class ServiceContext:
         return Heartbeat(
             run_id=self.cfg.run.id, service=self.service, instance_id=self.instance_id,
             policy_version=self.policy_version, time=time.time(), status=self.status,
-            stats=dict(self.stats), host=socket.gethostname(),
+            stats=dict(self.stats), host=socket.gethostname(), device=self.device,
         )
 
 

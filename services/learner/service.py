@@ -86,6 +86,7 @@ class Learner:
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_results: list[tuple[float, bool]] = []
         self.overflow: list = []  # ready groups received while a full batch waited for validation
+        self._refused_said: set[str] = set()
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, load_split
@@ -113,13 +114,19 @@ class Learner:
         self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.total_steps = total_steps(cfg, len(records))
         device = pick_device(cfg.trainer.device)
+        if cfg.trainer.weight_sync_backend in ("nccl", "cuda_ipc") and device.type != "cuda":
+            from rlbus.weight_transport import KEY, PlacementError
+
+            raise PlacementError(f"{KEY}={cfg.trainer.weight_sync_backend} needs the learner on a GPU, but "
+                                 f"trainer.device resolves to {device}: set {KEY}=auto or gloo")
         self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
         self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
         self.dispatcher.id_tag = f"a{self.attempt}-" if self.attempt else ""
         if self.resumed_from is not None:
             await self._restore(self.resumed_from)
-        self.pusher = WeightPusher(self.ctx, "nccl" if device.type == "cuda" else "gloo")
+        self.pusher = WeightPusher(self.ctx, device)
         self.pusher.epoch = self._stale_epoch  # our weight groups get epochs no replica has seen
+        await self.pusher.start()
         self.writer = MetricsWriter(self.run_dir, cfg.trainer.logger, self.total_steps, cfg.trainer.project_name,
                                     cfg.trainer.experiment_name)
         from rlbus.bus import Stage
@@ -307,15 +314,29 @@ class Learner:
                 self.ctx.log.info("waiting for ready trajectories", step=step, have=len(batch), need=need,
                                   in_flight=self.ledger.in_flight, replicas=sorted(replicas),
                                   validation_pending=len(self.val_pending),
-                                  waited_s=round(now - started))
+                                  waited_s=round(now - started), weight_push=self.pusher.status or "ok")
+                self._notice_wait(step, len(batch), need)
                 last_log = now
             if now - last_progress > cfg.trainer.batch_timeout_s:
+                why = (f"replicas may be waiting for weights: {self.pusher.status}" if self.pusher.status
+                       else "are the rollout and reward services running? see `rlbus status`")
                 raise LearnerStalled(
                     f"no ready trajectories for {cfg.trainer.batch_timeout_s:.0f}s at step {step} "
-                    f"(have {len(batch)}/{need}, {self.ledger.in_flight} prompts in flight); are the rollout "
-                    f"and reward services running? see `rlbus status`"
+                    f"(have {len(batch)}/{need}, {self.ledger.in_flight} prompts in flight); {why}"
                 )
         return batch
+
+    def _notice_wait(self, step: int, have: int, need: int) -> None:
+        """The console hears why the learner waits when the weight push is the reason (or a replica was
+        refused), not only the log file."""
+        from rlbus.notices import post_notice
+
+        for rid, why in list(self.pusher.refused.items()):
+            if rid not in self._refused_said:
+                self._refused_said.add(rid)
+                post_notice(self.run_dir, "learner", f"replica {rid} refused: {why}")
+        if self.pusher.status:
+            post_notice(self.run_dir, "learner", f"step {step} waits ({have}/{need} groups): {self.pusher.status}")
 
     def _dump(self, step: int, groups: list[ReadyGroup], metrics: dict[str, float]) -> None:
         """Test hook (trainer.dump_first_batch): step 0's batch, the weights after it, step 1's batch."""
@@ -372,6 +393,7 @@ class Learner:
                 "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
                 "bus/dead_letters": float(getattr(self.consumer, "dead_letters", 0)),
                 "weights/push_failures": float(self.pusher.failures),
+                "weights/handoff_s": float(self.pusher.last_seconds),
                 "prompts/dispatched": float(len(self.ledger.dispatched)),
                 "prompts/trained": float(len(self.ledger.trained)),
                 "prompts/leftovers": float(self.ledger.leftovers),
@@ -419,13 +441,27 @@ class Learner:
 
 
 async def learner_loop(ctx: ServiceContext) -> int:
+    from rlbus.learner.weight_push import WeightPushFailed
+    from rlbus.notices import post_notice
+    from rlbus.weight_transport import PlacementError
+
     learner = Learner(ctx)
-    await learner.setup()
+    try:
+        await learner.setup()
+    except PlacementError as exc:
+        ctx.log.error("placement refused", reason=str(exc))
+        post_notice(ctx.run_dir, "learner", f"refused: {exc}")
+        return 2
     try:
         return await learner.run()
     except LearnerStalled as exc:
         ctx.log.error("learner stalled", reason=str(exc))
+        post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
         return 3
+    except WeightPushFailed as exc:
+        ctx.log.error("weight push keeps failing", reason=str(exc))
+        post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
+        return 4
     except asyncio.CancelledError:
         ctx.log.info("learner stopped before the end", step=learner.version)
         learner.ledger.save(Path(learner.run_dir) / "ledger.json")

@@ -1,20 +1,43 @@
-"""Learner side of the weight push: who is in the group, announce on NATS, broadcast, recover from failures.
+"""Learner side of the weight push: who gets which transport, announce on NATS, send, recover from failures.
 
-A group "epoch" is one fixed membership. When replicas join or leave, the next push forms a new epoch
-on a fresh port; a failed push (a replica died mid-broadcast) closes the group and the next attempt
-forms a new one without the silent member. The learner never blocks longer than the push timeout.
+Each live replica gets a transport by rlbus.weight_transport's rule: CUDA IPC for replicas on the learner's
+own GPU (one shared buffer, acked per version on NATS), one torch group (NCCL, or gloo through host memory)
+for the rest. One push may use both at once; the checksum, the version announcement and the
+never-half-swapped rule are the same for every transport.
+
+A group "epoch" is one fixed membership. When replicas join or leave, the next push forms a new epoch on a
+fresh port; a failed push closes the group and the next attempt forms a new one. The learner never blocks
+longer than the push timeout, and a push that keeps failing for the same reason stops the run with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 import time
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from rlbus.messages import WeightAnnouncement, encode
+import torch
+
+from rlbus.messages import IpcBuffer, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext
+from rlbus.weight_ipc import IpcWeightSender
+from rlbus.weight_sync import SendPlan, WeightSender, WeightSyncError, free_port, plan_buckets
+from rlbus.weight_transport import (
+    DevicePlace,
+    PlacementError,
+    Transport,
+    choose_transport,
+    device_place,
+    group_backend,
+)
+
+
+class WeightPushFailed(RuntimeError):
+    """Pushes failed `trainer.weight_push_max_failures` times in a row for the same reason."""
 
 
 def weight_sync_host(bus_url: str | None) -> str:
@@ -29,97 +52,263 @@ def weight_sync_host(bus_url: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-class WeightPusher:
-    def __init__(self, ctx: ServiceContext, backend: str) -> None:
-        from rlbus.weight_sync import WeightSender
+def failure_kind(reason: str) -> str:
+    """A failure's reason without its ports, sizes and timings: what makes two failures 'the same'."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason)[:200]
 
+
+@dataclass(frozen=True)
+class LiveReplica:
+    ranks: int  # group ranks it needs (its TP size)
+    place: DevicePlace
+    ipc_capable: bool
+
+
+class WeightPusher:
+    def __init__(self, ctx: ServiceContext, device: torch.device) -> None:
         cfg = ctx.cfg
         self.ctx = ctx
-        self.backend = backend
+        self.device = device
+        self.place = device_place(device)
+        self.choice = cfg.trainer.weight_sync_backend
+        self.timeout_s = cfg.trainer.weight_push_timeout_s
+        self.max_failures = cfg.trainer.weight_push_max_failures
         self.host = cfg.trainer.weight_sync_host or weight_sync_host(cfg.bus.url)
-        self.sender = WeightSender(backend=backend, host=self.host, timeout_s=cfg.trainer.weight_push_timeout_s,
-                                   bucket_bytes=cfg.trainer.weight_bucket_mb * 1024 * 1024)
+        self.bucket_bytes = cfg.trainer.weight_bucket_mb * 1024 * 1024
+        self.sender: WeightSender | None = None
+        self.ipc: IpcWeightSender | None = None
         self.epoch = 0
-        self.members: dict[str, int] | None = None  # replica id -> rank, of the open group
+        self.members: dict[str, int] | None = None  # replica id -> rank of the open group (or IPC: 0)
         self.pushed_version = 0
         self.last_seconds = 0.0
         self.last_bytes = 0
         self.failures = 0
         self.port = 0
+        self.streak_kind = ""
+        self.streak = 0
+        self.refused: dict[str, str] = {}  # replica id -> why its placement cannot work
+        self.transports: dict[str, Transport] = {}
+        self._acks: asyncio.Queue[WeightAck] = asyncio.Queue()
+        self._sub = None
 
-    async def live_replicas(self) -> dict[str, int]:
-        """Replica id -> ranks it needs (its TP size), for replicas whose heartbeat is fresh."""
+    async def start(self) -> None:
+        """Listen for IPC replicas' acks (core NATS: an ack only matters to the push waiting for it)."""
+
+        async def on_ack(msg) -> None:
+            try:
+                self._acks.put_nowait(decode(msg.data, WeightAck))
+            except Exception as exc:  # noqa: BLE001 - a malformed ack is logged and ignored
+                self.ctx.log.warning("bad weight ack", error=str(exc))
+
+        self._sub = await self.ctx.bus.nc.subscribe(self.ctx.bus.names.weight_ack, cb=on_ack)
+
+    @property
+    def status(self) -> str:
+        """What the push is waiting on, for the progress line; empty when all is well."""
+        if self.streak:
+            return f"weight push failed {self.streak}x in a row (stops at {self.max_failures}): {self.streak_kind}"
+        return ""
+
+    async def live_replicas(self) -> dict[str, LiveReplica]:
+        """Replicas whose heartbeat is fresh and ready, with where they keep their weights."""
         beats = await self.ctx.state.live("rollout", self.ctx.cfg.trainer.replica_timeout_s)
-        return {hb.instance_id: int(hb.stats.get("weight_ranks", 1) or 1) for hb in beats if hb.status == "ready"}
+        return {
+            hb.instance_id: LiveReplica(
+                int(hb.stats.get("weight_ranks", 1) or 1),
+                DevicePlace.parse(hb.device),
+                bool(hb.stats.get("ipc_capable", 0.0)),
+            )
+            for hb in beats
+            if hb.status == "ready"
+        }
 
-    def _assign_ranks(self, live: dict[str, int]) -> dict[str, int]:
-        ranks, nxt = {}, 1
-        for rid in sorted(live):
-            ranks[rid] = nxt
-            nxt += live[rid]
-        return ranks
+    def _assign(self, live: dict[str, LiveReplica]) -> dict[str, Transport]:
+        """Transport per replica; a replica whose placement cannot work is left out, once said why."""
+        out: dict[str, Transport] = {}
+        for rid, rep in sorted(live.items()):
+            try:
+                out[rid] = choose_transport(
+                    self.choice, self.place, rep.place, rid, replica_ipc=rep.ipc_capable
+                )
+            except PlacementError as exc:
+                if rid not in self.refused:
+                    self.refused[rid] = str(exc)
+                    self.ctx.log.error(
+                        "replica refused: its placement cannot receive weights", replica=rid, reason=str(exc)
+                    )
+        return out
 
     async def push(self, named_weights, version: int) -> bool:
         """Sends `version` to every live replica. Returns False (and logs why) when the push failed."""
-        from rlbus.weight_sync import WeightSyncError, free_port
-
         live = await self.live_replicas()
-        if not live:
+        transports = self._assign(live)
+        if not transports:
             self.members = {}
             self.pushed_version = version
             return True
-        new_group = self.members is None or set(live) != set(self.members) or not self.sender.is_open
-        # Two streamed passes (plan: names, shapes, checksum; then send): never the whole model at once, and
-        # under FSDP each pass is one all-gather per tensor that every rank joins (rlbus.learner.parallel).
-        plan = await asyncio.to_thread(self.sender.plan, named_weights())
-        if new_group:
-            self.sender.close()
-            self.epoch += 1
-            ranks = self._assign_ranks(live)
-            world = 1 + sum(live.values())
-            port = free_port(self.host)
+        ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
+        group_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc")
+        backend = group_backend(transports.values())
+        t0 = time.perf_counter()
+        try:
+            plan, ipc_buffer = await asyncio.to_thread(
+                self._prepare, named_weights, bool(group_ids), bool(ipc_ids), backend
+            )
+        except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
+            self.members = None
+            return self._failed(version, f"preparing the push: {exc}")
+        reform = (
+            self.members is None
+            or self.transports != transports
+            or (bool(group_ids) and (self.sender is None or not self.sender.is_open))
+        )
+        new_group = bool(group_ids) and reform
+        if reform:
+            self.epoch += 1  # a replica skips an (epoch, version) it already took: a new epoch is always news
+            ranks, nxt = {}, 1
+            for rid in group_ids:
+                ranks[rid] = nxt
+                nxt += live[rid].ranks
+            world, port = nxt, (free_port(self.host) if group_ids else 0)
         else:
             assert self.members is not None
-            ranks, world, port = self.members, 1 + sum(live[r] for r in self.members), self.port
+            ranks = {r: self.members[r] for r in group_ids}
+            world, port = 1 + sum(live[r].ranks for r in group_ids), self.port
         ann = WeightAnnouncement(
-            run_id=self.ctx.cfg.run.id, version=version, epoch=self.epoch, master_addr=self.host,
-            master_port=port, world_size=world, ranks=ranks, backend=self.backend,
-            names=[m.name for m in plan.metas], dtypes=[m.dtype for m in plan.metas],
-            shapes=[list(m.shape) for m in plan.metas], buckets=plan.buckets, checksum=plan.checksum,
+            run_id=self.ctx.cfg.run.id,
+            version=version,
+            epoch=self.epoch,
+            master_addr=self.host,
+            master_port=port,
+            world_size=world,
+            ranks=ranks,
+            backend=backend or "gloo",
+            ipc_replicas=ipc_ids,
+            ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
+            **plan.announcement_fields(),
         )
-        t0 = time.perf_counter()
+        while not self._acks.empty():  # acks of an earlier push that timed out
+            self._acks.get_nowait()
         await self.ctx.state.put_announcement(encode(ann))
-        try:
-            if new_group:
-                self.ctx.log.info("forming weight group", epoch=self.epoch, world=world, replicas=sorted(ranks))
-                await asyncio.to_thread(self.sender.open, port, world, self.epoch)
-            await asyncio.to_thread(self.sender.send, named_weights(), plan)
-        except WeightSyncError as exc:
-            self.failures += 1
-            self.ctx.log.warning("weight push failed; will re-form the group", version=version, epoch=self.epoch,
-                                 error=str(exc))
-            self.sender.close()
+        jobs = []
+        if group_ids:
+            jobs.append(self._send_group(named_weights, plan, port, world, new_group))
+        if ipc_ids:
+            jobs.append(self._wait_acks(set(ipc_ids), version))
+        errors = [e for e in await asyncio.gather(*jobs) if e]
+        if errors:
             self.members = None
-            return False
-        self.members = ranks
+            return self._failed(version, "; ".join(errors))
+        self.members = {**ranks, **dict.fromkeys(ipc_ids, 0)}
+        self.transports = transports
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = int(getattr(self.sender, "last_send_bytes", 0))
-        self.ctx.log.info("weights pushed", version=version, epoch=self.epoch, replicas=len(ranks),
-                          seconds=round(self.last_seconds, 3))
+        self.last_bytes = plan.total_bytes
+        self.streak, self.streak_kind = 0, ""
+        self.ctx.log.info(
+            "weights pushed",
+            version=version,
+            epoch=self.epoch,
+            ipc=len(ipc_ids),
+            group=f"{backend}:{len(group_ids)}" if group_ids else "none",
+            seconds=round(self.last_seconds, 4),
+        )
         return True
+
+    def _prepare(
+        self, named_weights, group: bool, ipc: bool, backend: str | None
+    ) -> tuple[SendPlan, dict | None]:
+        """The plan (names, shapes, buckets, checksum), with the IPC buffer filled when IPC replicas need it."""
+        if group and (self.sender is None or self.sender.backend != backend):
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = WeightSender(
+                backend=backend,
+                host=self.host,
+                timeout_s=self.timeout_s,
+                bucket_bytes=self.bucket_bytes,
+                device=self.device if backend == "nccl" else None,
+            )
+            self.members = None
+        plan = self.sender.plan(named_weights()) if group and self.sender else None
+        if not ipc:
+            assert plan is not None
+            return plan, None
+        if self.ipc is None:
+            self.ipc = IpcWeightSender(self.device)
+        metas, checksum = self.ipc.fill(named_weights())
+        if plan is None:
+            plan = SendPlan(metas, plan_buckets(metas, self.bucket_bytes), checksum)
+        return plan, self.ipc.handle
+
+    async def _send_group(self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool) -> str:
+        assert self.sender is not None
+        try:
+            if new_group:
+                self.ctx.log.info(
+                    "forming weight group", epoch=self.epoch, world=world, backend=self.sender.backend
+                )
+                await asyncio.to_thread(self.sender.open, port, world, self.epoch)
+            await asyncio.to_thread(self.sender.send, named_weights(), plan)
+        except WeightSyncError as exc:
+            self.sender.close()
+            return str(exc)
+        return ""
+
+    async def _wait_acks(self, waiting: set[str], version: int) -> str:
+        """Every IPC replica's ack for this version; a silent one fails the push after the push timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        bad: list[str] = []
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                bad.append(f"no CUDA IPC ack within {self.timeout_s:.0f}s from {sorted(waiting)}")
+                break
+            try:
+                ack = await asyncio.wait_for(self._acks.get(), timeout=left)
+            except TimeoutError:
+                continue
+            if ack.version != version or ack.epoch != self.epoch or ack.replica_id not in waiting:
+                continue
+            waiting.discard(ack.replica_id)
+            if not ack.ok:
+                bad.append(f"{ack.replica_id}: {ack.detail}")
+        return "; ".join(bad)
+
+    def _failed(self, version: int, reason: str) -> bool:
+        self.failures += 1
+        kind = failure_kind(reason)
+        self.streak = self.streak + 1 if kind == self.streak_kind else 1
+        self.streak_kind = kind
+        self.ctx.log.warning(
+            "weight push failed; will re-form the group",
+            version=version,
+            epoch=self.epoch,
+            streak=self.streak,
+            error=reason,
+        )
+        if self.streak >= self.max_failures:
+            raise WeightPushFailed(
+                f"the weight push failed {self.streak} times in a row for the same reason: {reason} "
+                f"(trainer.weight_push_max_failures={self.max_failures}; trainer.weight_sync_backend="
+                f"{self.choice})"
+            )
+        return False
 
     async def maintain(self, named_weights, version: int) -> None:
         """Called while waiting for data: serve late joiners and retry failed pushes."""
-        live = await self.live_replicas()
+        live = set(self._assign(await self.live_replicas()))
         members = set(self.members or {})
         if version == 0:
             # Everyone starts from the same checkpoint on disk: nothing to send yet.
-            self.members = self.members if members == set(live) else None
+            self.members = self.members if members == live else None
             return
-        if self.pushed_version < version or members != set(live):
+        if self.pushed_version < version or members != live:
             await self.push(named_weights, version)
 
     def close(self) -> None:
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.ipc is not None:
+            self.ipc.close()

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from rlbus.config import RlbusConfig
-from rlbus.messages import PromptWork, Sample, TrajectoryGroup, WeightAnnouncement, decode
+from rlbus.messages import PromptWork, Sample, TrajectoryGroup, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext, run_service
 
 IN_PROGRESS_EVERY_S = 5.0
@@ -61,7 +61,13 @@ class Replica:
                 self.ctx.log.error("bad weight announcement", error=str(exc))
                 continue
             key = (ann.epoch, ann.version)
-            if replica_id not in ann.ranks or key == self.last_announcement:
+            if key == self.last_announcement:
+                continue
+            if replica_id in ann.ipc_replicas:
+                self.last_announcement = key
+                await self._take_ipc(ann)
+                continue
+            if replica_id not in ann.ranks:
                 continue
             self.last_announcement = key
             t0 = time.perf_counter()
@@ -75,6 +81,33 @@ class Replica:
             await self._set_version(ann.version)
             self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch,
                               seconds=round(self.ctx.stats["weight_recv_s"], 3))
+
+    async def _ack(self, ann: WeightAnnouncement, ok: bool, detail: str = "") -> None:
+        ack = WeightAck(replica_id=self.ctx.instance_id, version=ann.version, epoch=ann.epoch, ok=ok, detail=detail)
+        try:
+            await self.ctx.bus.nc.publish(self.ctx.bus.names.weight_ack, encode(ack))
+        except Exception as exc:  # the learner times this push out and retries
+            self.ctx.log.warning("weight ack not sent", error=str(exc))
+
+    async def _take_ipc(self, ann: WeightAnnouncement) -> None:
+        """CUDA IPC: copy the version out of the learner's buffer (generation goes on meanwhile), ack so
+        the learner may refill it, then swap it in between generation batches."""
+        t0 = time.perf_counter()
+        try:
+            received = await asyncio.to_thread(self.engine.take_ipc_weights, ann)
+        except Exception as exc:  # noqa: BLE001 - a bad read is reported, never loaded
+            self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, transport="cuda_ipc",
+                               error=str(exc))
+            await self._ack(ann, False, str(exc))
+            return
+        await self._ack(ann, True)
+        async with self.lock:
+            await asyncio.to_thread(self.engine.load_received, received, ann.version)
+        del received
+        self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
+        await self._set_version(ann.version)
+        self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch, transport="cuda_ipc",
+                          seconds=round(self.ctx.stats["weight_recv_s"], 4))
 
     async def generate(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup], int]:
         from rlbus.rollout.engines.base import GenerationRequest
@@ -102,11 +135,14 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
     from rlbus.rollout.engines.factory import build_engine
+    from rlbus.weight_transport import device_place
 
     cfg = ctx.cfg
     engine = await asyncio.to_thread(build_engine, cfg, resolve_model_path(cfg.model.path))
     replica = Replica(ctx, engine)
-    ctx.stats.update(weight_ranks=float(engine.weight_ranks), groups=0, tokens=0)
+    ctx.stats.update(weight_ranks=float(engine.weight_ranks), groups=0, tokens=0,
+                     ipc_capable=float(engine.supports_ipc))
+    ctx.device = str(device_place(engine.weight_device))
     weights = asyncio.create_task(replica.weight_loop())
     consumer = await ctx.bus.consumer(Stage.PROMPTS, durable="rollout", expected=PromptWork,
                                       ack_wait_s=cfg.bus.ack_wait_s, max_deliver=cfg.bus.max_deliver)

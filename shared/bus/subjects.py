@@ -52,6 +52,11 @@ class RunNames:
     def stream(self, stage: Stage | str) -> str:
         return f"RLBUS_{self.run_id}_{Stage(stage).value.upper()}"
 
+    @property
+    def weight_ack(self) -> str:
+        """Core-NATS subject of CUDA IPC replicas' per-version acks (only the waiting push cares)."""
+        return f"{self.prefix}.weights.ack"
+
     def dlq_subject(self, stage: Stage | str) -> str:
         return f"{self.prefix}.dlq.{Stage(stage).value}"
 

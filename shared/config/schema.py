@@ -63,9 +63,13 @@ class RolloutConfig(Section):
         False, description="seed each prompt's sampling from (seed, data index): the same samples whoever "
         "generates it and whenever (reproducible runs and resumes); slower, seeded requests run alone")
     tensor_model_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=1.0, description="share of the GPU this replica may take (vllm/sglang: their KV sizing; "
+        "hf: a cap on the process's allocations), leaving the rest to a learner on the same GPU")
     max_num_seqs: int = Field(256, ge=1)
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(
+        None, description="no compiled/CUDA-graph decode; None = the engine's choice (eager on CPU, compiled "
+        "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache)")
     enable_prefix_caching: bool = True
     sglang_url: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -176,6 +180,11 @@ class TrainerConfig(Section):
     batch_timeout_s: float = Field(300.0, gt=0, description="longest wait for ready trajectories before giving up")
     weight_push_timeout_s: float = Field(60.0, gt=0)
     weight_bucket_mb: int = Field(64, ge=1)
+    weight_sync_backend: Literal["auto", "cuda_ipc", "nccl", "gloo"] = Field(
+        "auto", description="weight push transport per replica; auto = CUDA IPC on the learner's own GPU, NCCL "
+        "to other GPUs, gloo (through host memory) for CPU or mixed placements")
+    weight_push_max_failures: int = Field(
+        5, ge=1, description="pushes failing in a row for the same reason before the run stops with it")
     weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
     dump_first_batch: bool = Field(False, description="write step 1's batch and update to the run dir (tests)")

@@ -51,6 +51,26 @@ class RolloutEngine(ABC):
         """Joins (or reuses) the broadcast group of `announcement.epoch` at `rank`, receives every tensor,
         verifies the checksum, and swaps the weights in. Raises on timeout or mismatch; never half-swaps."""
 
+    @property
+    def weight_device(self) -> str:
+        """Where the replica keeps its weights ('cpu', 'cuda:0'): decides the learner's transport to it."""
+        return "cpu"
+
+    @property
+    def supports_ipc(self) -> bool:
+        """Whether `take_ipc_weights`/`load_received` work here (the engine shares the learner's process
+        model: weights in this process's CUDA memory)."""
+        return False
+
+    def take_ipc_weights(self, announcement: WeightAnnouncement) -> dict:
+        """Copies the announced version out of the learner's CUDA IPC buffer, verified (no engine lock
+        needed: generation goes on). The learner may refill the buffer once this returns."""
+        raise NotImplementedError(f"the {self.name} engine cannot take weights over CUDA IPC")
+
+    def load_received(self, received: dict, version: int) -> None:
+        """Swaps in what `take_ipc_weights` returned (under the replica's engine lock)."""
+        raise NotImplementedError(f"the {self.name} engine cannot take weights over CUDA IPC")
+
     @abstractmethod
     def score(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> np.ndarray:
         """Log-probs the engine's current weights give `response_ids` after `prompt_ids` (tests, checks)."""

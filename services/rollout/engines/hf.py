@@ -60,6 +60,16 @@ class _StopOnStrings(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+def _bucket_rows(rows: int, cap: int) -> int:
+    """Rows rounded up to a power of two (at most `cap`): padding rows cost less than a recompile."""
+    return min(max(cap, rows), 1 << max(0, (rows - 1).bit_length()))
+
+
+def _bucket_width(width: int, step: int = 32) -> int:
+    """Prompt width rounded up to a multiple of `step` (left padding is masked, so it changes nothing)."""
+    return -(-width // step) * step
+
+
 class HFEngine(RolloutEngine):
     """One transformers model in this process; weight pushes are copied straight into its parameters."""
 
@@ -74,9 +84,18 @@ class HFEngine(RolloutEngine):
         attn_implementation: str = "sdpa",
         max_batch_rows: int = 256,
         trust_remote_code: bool = False,
+        compiled_decode: bool | None = None,
+        gpu_memory_utilization: float = 1.0,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
+        if self.device.type == "cuda" and gpu_memory_utilization < 1.0:
+            # A learner may share this GPU: stay within our share (an allocation past it raises OOM here,
+            # not in the learner).
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization, self.device)
+        # transformers' static KV cache with its compiled (CUDA-graph) decode step: 4-5x the tokens/s of the
+        # dynamic cache on a GPU. Shapes are bucketed (_bucket_rows, _bucket_width) so it compiles a few times.
+        self.compiled_decode = self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(
             self.model_path,
@@ -101,6 +120,7 @@ class HFEngine(RolloutEngine):
         self._calls = 0
         self._lock = threading.Lock()  # generate and a weight swap never overlap
         self._receiver: Any = None  # rlbus.weight_sync.WeightReceiver, made on the first push
+        self._ipc: Any = None  # rlbus.weight_ipc.IpcWeightReceiver, made on the first CUDA IPC push
 
     @classmethod
     def from_config(cls, cfg: RlbusConfig, model_path: str | Path) -> HFEngine:
@@ -111,6 +131,8 @@ class HFEngine(RolloutEngine):
             seed=cfg.rollout.seed,
             max_batch_rows=cfg.rollout.max_num_seqs,
             trust_remote_code=cfg.model.trust_remote_code,
+            compiled_decode=None if cfg.rollout.enforce_eager is None else not cfg.rollout.enforce_eager,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         )
 
     def _eos_ids(self) -> set[int]:
@@ -183,6 +205,7 @@ class HFEngine(RolloutEngine):
             use_cache=True,
             output_logits=True,
             return_dict_in_generate=True,
+            **({"cache_implementation": "static"} if self.compiled_decode else {}),
         )
 
     @torch.no_grad()
@@ -191,7 +214,11 @@ class HFEngine(RolloutEngine):
             return [Completion([], np.zeros(0, np.float32), "", "length") for _ in prompts]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: generation needs at least one context token")
+        real_rows = len(prompts)
         width = max(len(p) for p in prompts)
+        if self.compiled_decode:  # a few fixed shapes, so the compiled decode step is reused across calls
+            width = _bucket_width(width)
+            prompts = prompts + [prompts[0]] * (_bucket_rows(real_rows, self.max_batch_rows) - real_rows)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for b, p in enumerate(prompts):  # LEFT padding: every row's next token is at the same column
@@ -218,8 +245,8 @@ class HFEngine(RolloutEngine):
             if temp != 1.0:
                 logits = logits / temp
             lp[:, t] = torch.log_softmax(logits, dim=-1).gather(-1, gen[:, t : t + 1]).squeeze(-1)
-        gen_rows = gen[:, :steps].tolist()
-        lp_rows = lp.cpu().numpy()
+        gen_rows = gen[:real_rows, :steps].tolist()
+        lp_rows = lp[:real_rows].cpu().numpy()
         return [self._cut(g, lp_rows[b], stops) for b, g in enumerate(gen_rows)]
 
     def _cut(self, tokens: list[int], logprobs: np.ndarray, stops: list[str]) -> Completion:
@@ -296,6 +323,32 @@ class HFEngine(RolloutEngine):
                 state[name].copy_(src.to(device=state[name].device, dtype=state[name].dtype))
             self.policy_version = int(version)
 
+    @property
+    def weight_device(self) -> str:
+        return str(self.device)
+
+    @property
+    def supports_ipc(self) -> bool:
+        return self.device.type == "cuda"
+
+    def take_ipc_weights(self, announcement: WeightAnnouncement) -> dict[str, torch.Tensor]:
+        from rlbus.weight_ipc import IpcWeightReceiver
+        from rlbus.weight_sync import WeightSyncError, metas_from_announcement
+
+        if announcement.ipc_buffer is None:
+            raise WeightSyncError("the announcement names this replica for CUDA IPC but carries no buffer")
+        if self._ipc is None:
+            self._ipc = IpcWeightReceiver()
+        received = self._ipc.receive(announcement.ipc_buffer.model_dump(), metas_from_announcement(announcement),
+                                     announcement.checksum)
+        self._check_and_map(received)  # a wrong name or shape is refused before the ack, never loaded
+        return received
+
+    def load_received(self, received: dict[str, torch.Tensor], version: int) -> None:
+        self.load_weights(received, version)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies are done before `received` is freed
+
     def receive_weights(self, announcement: WeightAnnouncement, rank: int, timeout_s: float) -> None:
         """Joins (or reuses) the epoch's group, receives and verifies every tensor, then swaps them in.
 
@@ -305,8 +358,12 @@ class HFEngine(RolloutEngine):
         """
         from rlbus.weight_sync import WeightReceiver, metas_from_announcement
 
+        # NCCL lands on our GPU; gloo stages through host memory (load_weights moves it to our device).
+        device = self.device if announcement.backend == "nccl" else torch.device("cpu")
+        if self._receiver is not None and torch.device(self._receiver.device or "cpu") != device:
+            self._close_receiver()
         if self._receiver is None:
-            self._receiver = WeightReceiver(device=self.device)
+            self._receiver = WeightReceiver(device=device)
         # connect() is a no-op for the group already joined and closes an older epoch's group itself.
         self._receiver.connect(
             announcement.master_addr,
@@ -329,3 +386,6 @@ class HFEngine(RolloutEngine):
 
     def close(self) -> None:
         self._close_receiver()
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None

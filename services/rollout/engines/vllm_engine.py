@@ -212,7 +212,7 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=r.tensor_model_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_num_seqs=r.max_num_seqs,
-            enforce_eager=r.enforce_eager,
+            enforce_eager=r.enforce_eager if r.enforce_eager is not None else not _cuda_available(),
             enable_prefix_caching=r.enable_prefix_caching,
             seed=r.seed,
             trust_remote_code=cfg.model.trust_remote_code,
@@ -427,3 +427,9 @@ class VLLMEngine(RolloutEngine):
                 else:  # a world that was here before vLLM stays
                     destroy_model_parallel()
                     envs.disable_envs_cache()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
