@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-vllm test-all demo lint format bench bench-rollout bench-learner tiny-model clean
+.PHONY: install test test-slow test-vllm test-gpu test-all demo lint format bench bench-rollout bench-learner tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,10 @@ test-slow:
 
 test-vllm:
 	$(PYTEST) -q -m "vllm and not gpu" tests || [ $$? -eq 5 ]
+
+# Needs a CUDA GPU (the lent H200): CUDA IPC handoff, hf engine compiled decode.
+test-gpu:
+	$(PYTEST) -q -m "gpu" tests
 
 test-all:
 	$(PYTEST) -q -m "not gpu and not sglang" tests

@@ -125,7 +125,8 @@ def bench_engine(
     if name == "hf":
         from rlbus.rollout.engines.hf import HFEngine
 
-        engine: Any = HFEngine(model_dir, dtype=args.dtype, device=args.device, seed=0)
+        engine: Any = HFEngine(model_dir, dtype=args.dtype, device=args.device, seed=0,
+                               max_batch_rows=args.max_num_seqs)
     else:
         from rlbus.rollout.engines.vllm_engine import VLLMEngine
 

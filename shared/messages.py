@@ -43,6 +43,7 @@ class SamplingParams(BaseModel):
     max_tokens: int = 16
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = Field(False, description="run to max_tokens past end tokens (benchmarks: fixed lengths)")
 
 
 class PromptWork(Message):

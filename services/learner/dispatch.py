@@ -83,7 +83,8 @@ class Dispatcher:
         self.ledger = ledger
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                       max_tokens=cfg.data.max_response_length, stop=list(r.stop))
+                                       max_tokens=cfg.data.max_response_length, stop=list(r.stop),
+                                       ignore_eos=r.ignore_eos)
         self.id_tag = ""  # per learner attempt ("a1-" after the first): JetStream dedups msg ids for minutes
         self.requeue: deque[int] = deque()  # data indices to dispatch again before new ones (after a resume)
 

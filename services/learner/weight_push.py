@@ -169,7 +169,11 @@ class WeightPusher:
             for rid in group_ids:
                 ranks[rid] = nxt
                 nxt += live[rid].ranks
-            world, port = nxt, (free_port(self.host) if group_ids else 0)
+            try:
+                world, port = nxt, (free_port(self.host) if group_ids else 0)
+            except OSError as exc:
+                self.members = None
+                return self._failed(version, f"no port for the weight group on {self.host}: {exc}")
         else:
             assert self.members is not None
             ranks = {r: self.members[r] for r in group_ids}

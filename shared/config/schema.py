@@ -56,6 +56,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="generate max_response_length tokens past end tokens (benchmarks)")
     prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
     replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
     seed: int = 0

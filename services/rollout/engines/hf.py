@@ -154,7 +154,7 @@ class HFEngine(RolloutEngine):
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             sp = req.sampling
-            key = (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, tuple(sp.stop))
+            key = (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, tuple(sp.stop), sp.ignore_eos)
             if sp.seed is not None:
                 key = (*key, "seed", sp.seed, i)
             groups.setdefault(key, []).append(i)
@@ -195,7 +195,7 @@ class HFEngine(RolloutEngine):
         return GenerationConfig(
             **knobs,
             max_new_tokens=sp.max_tokens,
-            min_new_tokens=0,
+            min_new_tokens=sp.max_tokens if sp.ignore_eos else 0,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             num_beams=1,
@@ -247,14 +247,14 @@ class HFEngine(RolloutEngine):
             lp[:, t] = torch.log_softmax(logits, dim=-1).gather(-1, gen[:, t : t + 1]).squeeze(-1)
         gen_rows = gen[:real_rows, :steps].tolist()
         lp_rows = lp[:real_rows].cpu().numpy()
-        return [self._cut(g, lp_rows[b], stops) for b, g in enumerate(gen_rows)]
+        return [self._cut(g, lp_rows[b], stops, sp.ignore_eos) for b, g in enumerate(gen_rows)]
 
-    def _cut(self, tokens: list[int], logprobs: np.ndarray, stops: list[str]) -> Completion:
+    def _cut(self, tokens: list[int], logprobs: np.ndarray, stops: list[str], ignore_eos: bool = False) -> Completion:
         """Keeps tokens up to and including the first EOS or the token that completes a stop string."""
         window = _stop_window(stops)
         end, reason, stop_by = len(tokens), "length", None
         for t, tok in enumerate(tokens):
-            if tok in self.eos_ids:
+            if tok in self.eos_ids and not ignore_eos:
                 end, reason, stop_by = t + 1, "stop", "eos"
                 break
             if stops and _tail_has_stop(self.tokenizer, tokens[max(0, t + 1 - window) : t + 1], stops):

@@ -236,6 +236,7 @@ class VLLMEngine(RolloutEngine):
             stop=[s for s in sp.stop if s] or None,
             include_stop_str_in_output=True,  # like HFEngine: the text keeps the stop string
             seed=sp.seed,
+            ignore_eos=bool(sp.ignore_eos),
             logprobs=0 if logprobs else None,
             skip_special_tokens=True,
         )

@@ -1,0 +1,367 @@
+"""Same-work benchmark: `rlbus up` against TRL's GRPOTrainer, side by side in one run.
+
+Builds a random Qwen2 locally (default: the Qwen2-0.5B shape, hidden 896 x 24 layers, intermediate 4864, on
+the bundled character tokenizer), then runs each system for `--warmup + --steps` optimizer steps of the same
+work: `--prompts` prompts x `--n` samples x `--max-tokens` response tokens (end tokens suppressed, so every
+response runs full length), GRPO, no KL, one optimizer step per batch, the same micro-batch size. Reports
+seconds per step (measured steps only), response tokens/s, mean GPU utilisation over the measured window
+(NVML), weight-handoff seconds (rlbus), and the ratios.
+
+    python bench/e2e_gpu.py                      # on the GPU: rlbus async 0/1/2, TRL default and TRL+static
+    python bench/e2e_gpu.py --device cpu         # the embedded demo's tiny model and work, on the CPU
+
+TRL is a bench-only extra (`pip install trl`): its GRPOTrainer runs with plain transformers generation, once
+with its defaults and once with the generation speed-up rlbus's embedded engine uses (static KV cache with
+compiled decode; TRL accepts `cache_implementation="static"` but builds its GenerationConfig with
+`disable_compile=True`, which this bench turns off so both get the same decode path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+
+def build_model(out_dir: Path, hidden: int, layers: int, intermediate: int) -> Path:
+    """A random Qwen2 of the given shape (head_dim 64, GQA 7:1 like Qwen2-0.5B) on the tiny tokenizer."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from rlbus.tiny_model import build_tokenizer, make_config
+
+    heads = max(1, hidden // 64)
+    kv_heads = 2 if heads % 2 == 0 else 1
+    tok = build_tokenizer(out_dir)
+    config = make_config(
+        tok,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        intermediate_size=intermediate,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(str(out_dir))
+    print(
+        f"model: random Qwen2 {hidden}x{layers} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+        f"parameters) in {out_dir}",
+        flush=True,
+    )
+    return out_dir
+
+
+class GpuSampler:
+    """Samples device-wide GPU utilisation every 100 ms (NVML) with timestamps; silent without a GPU."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - no NVML (CPU box): utilisation is reported as '-'
+            self._nvml = None
+
+    def __enter__(self) -> GpuSampler:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            self.samples.append((time.time(), float(util)))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def mean(self, start: float, end: float) -> float | None:
+        window = [u for t, u in self.samples if start <= t <= end]
+        return statistics.fmean(window) if window else None
+
+
+def summarize(
+    step_times: list[float],
+    warmup: int,
+    tokens_per_step: float,
+    sampler: GpuSampler,
+    handoff: list[float] | None = None,
+) -> dict[str, float | None]:
+    """Step times are wall-clock instants at which steps 1..K completed; steps after `warmup` count."""
+    measured = step_times[warmup:]
+    if len(measured) < 2:
+        raise RuntimeError(f"only {len(step_times)} steps finished; need warmup {warmup} + 2")
+    start = step_times[warmup - 1] if warmup > 0 else measured[0]
+    steps = len(measured) if warmup > 0 else len(measured) - 1
+    s_per_step = (measured[-1] - start) / steps
+    return {
+        "s_per_step": s_per_step,
+        "tokens_per_s": tokens_per_step / s_per_step,
+        "gpu_util": sampler.mean(start, measured[-1]),
+        "handoff_s": statistics.median(handoff) if handoff else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- rlbus
+
+
+def run_rlbus(args: argparse.Namespace, model_dir: Path | None, async_level: int, work: Path) -> dict:
+    run_id = f"bench-a{async_level}"
+    total = args.warmup + args.steps
+    overrides = [
+        f"run.id={run_id}",
+        f"run.dir={work / 'runs'}",
+        "trainer.logger=[jsonl]",
+        f"trainer.total_training_steps={total}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.async_level={async_level}",
+        f"data.train_batch_size={args.prompts}",
+        f"rollout.n={args.n}",
+        f"data.max_response_length={args.max_tokens}",
+        "rollout.ignore_eos=true",
+        f"rollout.prompts_per_batch={args.prompts}",
+        f"rollout.max_num_seqs={args.prompts * args.n}",
+        f"actor.ppo_micro_batch_size={args.micro_batch}",
+        f"actor.optim.lr={args.lr}",
+        f"rollout.temperature={args.temperature}",
+        f"trainer.device={args.device}",
+        f"rollout.device={args.device}",
+        "trainer.save_freq=-1",
+        *args.rlbus_override,
+    ]
+    if model_dir is not None:
+        overrides += [f"model.path={model_dir}", f"model.dtype={args.dtype}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"rlbus async_level={async_level}: rlbus up {' '.join(overrides)}", flush=True)
+    with GpuSampler() as sampler:
+        done = subprocess.run(
+            [sys.executable, "-m", "rlbus.cli", "up", *overrides],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+    rows = [json.loads(line) for line in (work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
+    if done.returncode != 0:
+        raise RuntimeError(f"rlbus exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rows = [r for r in rows if "timing/step_s" in r]
+    times = [float(r["time"]) for r in rows]
+    handoff = [float(r["timing/weight_push_s"]) for r in rows[args.warmup :]]
+    out = summarize(times, args.warmup, args.prompts * args.n * args.max_tokens, sampler, handoff)
+    out["train_s"] = statistics.median(float(r["timing/train_s"]) for r in rows[args.warmup :])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- TRL
+
+
+def prompts_text(count: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(count)]
+
+
+def trl_child(spec: dict) -> None:
+    """Runs in its own process (the GPU is free again after it): GRPOTrainer on the same work."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward_first_char_is_digit(completions, **_kw):  # cheap, like rlbus's rule verifier
+        return [float(c[:1].isdigit()) for c in completions]
+
+    times: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_a, **_kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.time())
+
+    total = spec["warmup"] + spec["steps"]
+    gen_kwargs = {"min_new_tokens": spec["max_tokens"]}
+    config = GRPOConfig(
+        output_dir=spec["out"],
+        per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["prompts"] * spec["n"] // spec["micro_batch"],
+        num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"],
+        learning_rate=spec["lr"],
+        beta=0.0,
+        temperature=spec["temperature"],
+        max_steps=total,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=spec["dtype"] == "bfloat16",
+        use_cpu=spec["device"] == "cpu",
+        generation_kwargs=gen_kwargs,
+        cache_implementation="static" if spec["static"] else None,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    dataset = Dataset.from_dict({"prompt": prompts_text(spec["prompts"] * (total + 1))})
+    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_first_char_is_digit,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    if spec["static"]:
+        trainer.generation_config.disable_compile = False  # the compiled static-cache decode rlbus uses
+    trainer.train()
+    Path(spec["times"]).write_text(json.dumps(times))
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, static: bool, work: Path) -> dict:
+    out = work / ("trl-static" if static else "trl")
+    spec = {
+        "out": str(out),
+        "times": str(out / "times.json"),
+        "model": str(model_dir),
+        "static": static,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "micro_batch": args.micro_batch,
+        "lr": args.lr,
+        "temperature": args.temperature,
+        "dtype": args.dtype,
+        "device": args.device,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"TRL GRPOTrainer ({'static cache, compiled decode' if static else 'defaults'})", flush=True)
+    with GpuSampler() as sampler:
+        done = subprocess.run(
+            [sys.executable, __file__, "--trl-child", json.dumps(spec)],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    times = json.loads(Path(spec["times"]).read_text())
+    return summarize(times, args.warmup, args.prompts * args.n * args.max_tokens, sampler)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def table(results: dict[str, dict], base: str | None) -> str:
+    def fmt(v, spec):
+        return format("-", spec[:3]) if v is None else format(v, spec)
+
+    lines = [
+        f"{'system':<22} {'s/step':>8} {'resp tok/s':>11} {'GPU util %':>10} {'handoff s':>10} {'vs ' + (base or '-'):>14}"
+    ]
+    for name, r in results.items():
+        ratio = results[base]["s_per_step"] / r["s_per_step"] if base in results else None
+        lines.append(
+            f"{name:<22} {r['s_per_step']:>8.3f} {r['tokens_per_s']:>11.0f} {fmt(r['gpu_util'], '>10.0f')} "
+            f"{fmt(r['handoff_s'], '>10.4f')} {fmt(ratio, '>13.2f')}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--intermediate", type=int, default=4864)
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (cuda 64, cpu 16)")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=None, help="response tokens (cuda 128, cpu 8)")
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 64, cpu 128)"
+    )
+    p.add_argument("--steps", type=int, default=8, help="measured steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps not measured (compilation, first push)")
+    p.add_argument("--async-levels", default="0,1,2")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--rlbus-override", action="append", default=[], help="extra dotted override for rlbus")
+    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trl_child:
+        trl_child(json.loads(args.trl_child))
+        return 0
+    gpu = args.device == "cuda"
+    args.prompts = args.prompts or (64 if gpu else 16)
+    args.max_tokens = args.max_tokens or (128 if gpu else 8)
+    args.micro_batch = args.micro_batch or (64 if gpu else args.prompts * args.n)
+    args.dtype = "bfloat16" if gpu else "float32"
+    work = Path(tempfile.mkdtemp(prefix="rlbus-e2e-"))
+    if gpu:
+        model_dir: Path | None = build_model(work / "model", args.hidden, args.layers, args.intermediate)
+        trl_model = model_dir
+    else:
+        from rlbus.model_source import resolve_model_path
+
+        model_dir, trl_model = None, resolve_model_path(None)  # the embedded demo's own model
+        print(f"model: the embedded demo's tiny model ({trl_model})", flush=True)
+    print(
+        f"work per step: {args.prompts} prompts x {args.n} samples x {args.max_tokens} tokens, micro-batch "
+        f"{args.micro_batch}, {args.warmup} warm-up + {args.steps} measured steps, {time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
+    results: dict[str, dict] = {}
+    for level in (int(x) for x in args.async_levels.split(",") if x):
+        results[f"rlbus async_level={level}"] = run_rlbus(args, model_dir, level, work)
+        print(table(results, None), flush=True)
+    base = None
+    if not args.no_trl:
+        results["TRL defaults"] = run_trl(args, trl_model, False, work)
+        base = "TRL defaults"
+        if gpu:
+            results["TRL + static cache"] = run_trl(args, trl_model, True, work)
+    print()
+    print(table(results, base))
+    if "TRL + static cache" in results:
+        ref = results["TRL + static cache"]["s_per_step"]
+        for name, r in results.items():
+            if name.startswith("rlbus"):
+                print(f"{name}: {ref / r['s_per_step']:.2f}x TRL + static cache")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
