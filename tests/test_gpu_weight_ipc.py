@@ -117,12 +117,23 @@ def test_ipc_refill_while_reading_is_caught_by_the_checksum(tmp_path: Path) -> N
     """The announcement's checksum is of version N; a buffer already holding N+1 is refused, never loaded."""
     from helpers_tiny import build_tiny_model, perturbed_model
 
-    from rlbus.weight_ipc import IpcWeightReceiver, IpcWeightSender
-    from rlbus.weight_sync import WeightSyncError
+    from rlbus.weight_ipc import IpcWeightSender
 
     model_dir = build_tiny_model(tmp_path / "tiny")
     sender = IpcWeightSender("cuda")
     metas, checksum_1 = sender.fill(list(perturbed_model(model_dir, 1).cuda().named_parameters()))
     sender.fill(list(perturbed_model(model_dir, 2).cuda().named_parameters()))
-    with pytest.raises(WeightSyncError, match="checksum mismatch"):
-        IpcWeightReceiver().receive(sender.handle, metas, checksum_1)
+    ctx = mp.get_context("spawn")  # CUDA IPC maps memory of another process only
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    replica = ctx.Process(target=_replica, args=(str(model_dir), inbox, outbox), daemon=True)
+    replica.start()
+    try:
+        inbox.put(_announcement(sender.handle, metas, checksum_1, 1))
+        status, detail, _ = outbox.get(timeout=120)
+        assert status == "error"
+        assert "checksum mismatch" in detail
+    finally:
+        inbox.put(None)
+        replica.join(60)
+        if replica.is_alive():
+            replica.kill()

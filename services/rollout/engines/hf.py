@@ -89,6 +89,8 @@ class HFEngine(RolloutEngine):
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda" and gpu_memory_utilization < 1.0:
             # A learner may share this GPU: stay within our share (an allocation past it raises OOM here,
             # not in the learner).
