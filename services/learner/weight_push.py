@@ -84,11 +84,13 @@ class WeightPusher:
         self.last_bytes = 0
         self.failures = 0
         self.port = 0
-        self.streak_kind = ""
-        self.streak = 0
+        self.streaks: dict[str, tuple[str, int]] = {}  # path (group | ipc) -> (failure kind, times in a row)
         self.refused: dict[str, str] = {}  # replica id -> why its placement cannot work
         self.transports: dict[str, Transport] = {}
         self._acks: asyncio.Queue[WeightAck] = asyncio.Queue()
+        self._acks_due: tuple[int, int, set[str]] | None = (
+            None  # (version, epoch, replicas) of the last IPC push
+        )
         self._sub = None
 
     async def start(self) -> None:
@@ -105,9 +107,10 @@ class WeightPusher:
     @property
     def status(self) -> str:
         """What the push is waiting on, for the progress line; empty when all is well."""
-        if self.streak:
-            return f"weight push failed {self.streak}x in a row (stops at {self.max_failures}): {self.streak_kind}"
-        return ""
+        if not self.streaks:
+            return ""
+        kind, count = max(self.streaks.values(), key=lambda kc: kc[1])
+        return f"weight push failed {count}x in a row (stops at {self.max_failures}): {kind}"
 
     async def live_replicas(self) -> dict[str, LiveReplica]:
         """Replicas whose heartbeat is fresh and ready, with where they keep their weights."""
@@ -149,6 +152,10 @@ class WeightPusher:
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
         group_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc")
         backend = group_backend(transports.values())
+        if ipc_ids:
+            await self._settle_acks()  # the shared buffer is refilled only once every reader let go of it
+        else:
+            self._acks_due = None
         t0 = time.perf_counter()
         try:
             plan, ipc_buffer = await asyncio.to_thread(
@@ -156,7 +163,7 @@ class WeightPusher:
             )
         except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
             self.members = None
-            return self._failed(version, f"preparing the push: {exc}")
+            return self._failed(version, f"preparing the push: {exc}", "group")
         reform = (
             self.members is None
             or self.transports != transports
@@ -173,7 +180,7 @@ class WeightPusher:
                 world, port = nxt, (free_port(self.host) if group_ids else 0)
             except OSError as exc:
                 self.members = None
-                return self._failed(version, f"no port for the weight group on {self.host}: {exc}")
+                return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
         else:
             assert self.members is not None
             ranks = {r: self.members[r] for r in group_ids}
@@ -194,22 +201,20 @@ class WeightPusher:
         while not self._acks.empty():  # acks of an earlier push that timed out
             self._acks.get_nowait()
         await self.ctx.state.put_announcement(encode(ann))
-        jobs = []
+        if ipc_ids:  # their acks are collected before the next refill, not here: the step goes on meanwhile
+            self._acks_due = (version, self.epoch, set(ipc_ids))
         if group_ids:
-            jobs.append(self._send_group(named_weights, plan, port, world, new_group))
-        if ipc_ids:
-            jobs.append(self._wait_acks(set(ipc_ids), version))
-        errors = [e for e in await asyncio.gather(*jobs) if e]
-        if errors:
-            self.members = None
-            return self._failed(version, "; ".join(errors))
+            error = await self._send_group(named_weights, plan, port, world, new_group)
+            if error:
+                self.members = None
+                return self._failed(version, error, "group")
+            self.streaks.pop("group", None)
         self.members = {**ranks, **dict.fromkeys(ipc_ids, 0)}
         self.transports = transports
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = plan.total_bytes
-        self.streak, self.streak_kind = 0, ""
         self.ctx.log.info(
             "weights pushed",
             version=version,
@@ -260,7 +265,21 @@ class WeightPusher:
             return str(exc)
         return ""
 
-    async def _wait_acks(self, waiting: set[str], version: int) -> str:
+    async def _settle_acks(self) -> None:
+        """Acks of the last CUDA IPC push. A replica that read a bad copy or stayed silent makes that push a
+        failure (counted towards the streak) and the next push a new epoch, so it takes the version again."""
+        if self._acks_due is None:
+            return
+        version, epoch, waiting = self._acks_due
+        self._acks_due = None
+        error = await self._wait_acks(waiting, version, epoch)
+        if error:
+            self.members = None
+            self._failed(version, error, "ipc")
+        else:
+            self.streaks.pop("ipc", None)
+
+    async def _wait_acks(self, waiting: set[str], version: int, epoch: int) -> str:
         """Every IPC replica's ack for this version; a silent one fails the push after the push timeout."""
         deadline = time.monotonic() + self.timeout_s
         bad: list[str] = []
@@ -273,28 +292,32 @@ class WeightPusher:
                 ack = await asyncio.wait_for(self._acks.get(), timeout=left)
             except TimeoutError:
                 continue
-            if ack.version != version or ack.epoch != self.epoch or ack.replica_id not in waiting:
+            if ack.version != version or ack.epoch != epoch or ack.replica_id not in waiting:
                 continue
             waiting.discard(ack.replica_id)
             if not ack.ok:
                 bad.append(f"{ack.replica_id}: {ack.detail}")
         return "; ".join(bad)
 
-    def _failed(self, version: int, reason: str) -> bool:
+    def _failed(self, version: int, reason: str, path: str) -> bool:
+        """Counts a failure of one path (the torch group, or the IPC readers); the same reason
+        `trainer.weight_push_max_failures` times in a row on a path stops the run with it."""
         self.failures += 1
         kind = failure_kind(reason)
-        self.streak = self.streak + 1 if kind == self.streak_kind else 1
-        self.streak_kind = kind
+        last_kind, count = self.streaks.get(path, ("", 0))
+        count = count + 1 if kind == last_kind else 1
+        self.streaks[path] = (kind, count)
         self.ctx.log.warning(
             "weight push failed; will re-form the group",
             version=version,
             epoch=self.epoch,
-            streak=self.streak,
+            path=path,
+            streak=count,
             error=reason,
         )
-        if self.streak >= self.max_failures:
+        if count >= self.max_failures:
             raise WeightPushFailed(
-                f"the weight push failed {self.streak} times in a row for the same reason: {reason} "
+                f"the weight push failed {count} times in a row for the same reason: {reason} "
                 f"(trainer.weight_push_max_failures={self.max_failures}; trainer.weight_sync_backend="
                 f"{self.choice})"
             )
@@ -310,6 +333,8 @@ class WeightPusher:
             return
         if self.pushed_version < version or members != live:
             await self.push(named_weights, version)
+        elif self._acks_due is not None and self._acks.qsize() >= len(self._acks_due[2]):
+            await self._settle_acks()  # all acks are in: learn now whether a replica failed its read
 
     def close(self) -> None:
         if self.sender is not None:
