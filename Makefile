@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-vllm test-gpu test-all demo lint format bench bench-rollout bench-learner tiny-model clean
+.PHONY: install test test-slow test-vllm test-gpu test-all demo lint format bench bench-rollout bench-learner bench-e2e tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -65,6 +65,10 @@ bench-rollout:
 
 bench-learner:
 	$(PY) bench/learner.py
+
+# rlbus vs TRL's GRPOTrainer at equal work (needs `pip install -e ".[bench]"`); BENCH_E2E_ARGS="--device cpu" on a CPU box.
+bench-e2e:
+	$(PY) bench/e2e_gpu.py $(BENCH_E2E_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build *.egg-info
