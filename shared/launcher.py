@@ -131,6 +131,10 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     if refused:
         print(f"rlbus: refused: {refused}", file=sys.stderr, flush=True)
         return 2
+    from rlbus.config.warnings import inert_key_warnings
+
+    for warning in inert_key_warnings(cfg):
+        print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
     run_dir, config_path, server = prepare_run(cfg, fresh)
     procs = service_processes(cfg, config_path, run_dir)
     for p in procs:

@@ -100,6 +100,10 @@ class Learner:
         import torch
 
         torch.manual_seed(cfg.trainer.seed)
+        from rlbus.config.warnings import inert_key_warnings
+
+        for warning in inert_key_warnings(cfg):
+            self.ctx.log.warning("config key has no effect", detail=warning)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resumed_from = self._resume_target()
         await self._prepare_bus(fresh=self.resumed_from is None)

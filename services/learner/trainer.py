@@ -17,9 +17,8 @@ from rlbus.learner import parallel
 from rlbus.learner.algorithms.advantages import compute_advantages
 from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
 from rlbus.learner.algorithms.policy_loss import (
+    actor_policy_loss,
     aggregate_loss,
-    gspo_loss,
-    ppo_clip_loss,
     truncated_is_weights,
 )
 from rlbus.learner.batch import TrainBatch
@@ -143,13 +142,8 @@ class PolicyTrainer:
                     behaviour = mb.behaviour_logprobs.to(self.device)
                     is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
                     adv = mini_adv[idx].to(self.device)
-                    if actor.policy_loss == "gspo":
-                        pg_loss, stats = gspo_loss(logprobs, old, adv, m, clip_low, clip_high,
-                                                   actor.loss_agg_mode, is_w, **agg)
-                    else:
-                        dual = actor.clip_ratio_c if actor.policy_loss == "dual_clip" else None
-                        pg_loss, stats = ppo_clip_loss(logprobs, old, adv, m, clip_low, clip_high, dual,
-                                                       actor.loss_agg_mode, is_w, **agg)
+                    pg_loss, stats = actor_policy_loss(actor.policy_loss, logprobs, old, adv, m, clip_low, clip_high,
+                                                       actor.clip_ratio_c, actor.loss_agg_mode, is_w, **agg)
                     loss = pg_loss
                     if actor.entropy_coeff:
                         loss = loss - actor.entropy_coeff * aggregate_loss(entropy, m, actor.loss_agg_mode, **agg)

@@ -139,7 +139,9 @@ class ActorConfig(Section):
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound")
-    policy_loss: Literal["vanilla", "dual_clip", "gspo"] = "vanilla"
+    policy_loss: Literal["vanilla", "dual_clip", "gspo"] = Field(
+        "vanilla", description="vanilla = verl's: PPO clip with the dual clip (clip_ratio_c) on negative "
+        "advantages; dual_clip is the same; gspo = sequence-level ratio, seq-mean-token-mean aggregation")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

@@ -96,14 +96,17 @@ def grpo_advantages(
     """
     _check_group_inputs(rewards, group_ids, response_mask)
     rewards = _float(rewards)
-    sums, counts = _group_sum_count(rewards, group_ids)
-    mean = sums / counts
-    centred = rewards - mean
+    # Group statistics in float64: a float32 sum of equal rewards rounds, so an all-equal group would get a
+    # small nonzero advantage of one sign (then blown up by 1 / (std + eps)); in float64 the sum of float32
+    # values is exact enough that such a group's mean equals its rewards and the advantage is exactly 0.
+    r64 = rewards.double()
+    sums, counts = _group_sum_count(r64, group_ids)
+    centred = r64 - sums / counts
     if norm_by_std:
         sq_sums, _ = _group_sum_count(centred**2, group_ids)
         std = torch.sqrt(sq_sums / (counts - 1.0).clamp(min=1.0))
         centred = centred / (std + eps)
-    return centred.unsqueeze(-1) * response_mask.to(rewards.dtype)
+    return centred.to(rewards.dtype).unsqueeze(-1) * response_mask.to(rewards.dtype)
 
 
 @torch.no_grad()
@@ -135,11 +138,12 @@ def rloo_advantages(
     """
     _check_group_inputs(rewards, group_ids, response_mask)
     rewards = _float(rewards)
-    sums, counts = _group_sum_count(rewards, group_ids)
+    r64 = rewards.double()  # as in GRPO: an all-equal group's advantages are exactly 0
+    sums, counts = _group_sum_count(r64, group_ids)
     others = counts - 1.0
-    baseline = (sums - rewards) / others.clamp(min=1.0)
-    adv = torch.where(others > 0, rewards - baseline, torch.zeros_like(rewards))
-    return adv.unsqueeze(-1) * response_mask.to(rewards.dtype)
+    baseline = (sums - r64) / others.clamp(min=1.0)
+    adv = torch.where(others > 0, r64 - baseline, torch.zeros_like(r64))
+    return adv.to(rewards.dtype).unsqueeze(-1) * response_mask.to(rewards.dtype)
 
 
 def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -20,6 +20,9 @@ __all__ = [
     "truncated_is_weights",
 ]
 
+GSPO_LOSS_AGG_MODE = "seq-mean-token-mean"
+"""verl's GSPO aggregates this way whatever `loss_agg_mode` says (the paper's sequence-level objective)."""
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # Bound on |log ratio| before exp: a wildly stale token must not overflow to inf (verl uses the same bounds).
@@ -208,6 +211,31 @@ def gspo_loss(
             "dual_clip_frac": torch.zeros((), dtype=mask.dtype, device=mask.device),
         }
     return loss, stats
+
+
+def actor_policy_loss(
+    policy_loss: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    is_weights: torch.Tensor | None = None,
+    **agg: int | float | torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`actor.policy_loss` with verl's conventions: ``vanilla`` (and its alias ``dual_clip``) is the clipped
+    surrogate with the dual clip on negative advantages; ``gspo`` aggregates seq-mean-token-mean whatever
+    `loss_agg_mode` says."""
+    if policy_loss == "gspo":
+        return gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high,
+                         GSPO_LOSS_AGG_MODE, is_weights, **agg)
+    if policy_loss in ("vanilla", "dual_clip"):
+        return ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, clip_ratio_c,
+                             loss_agg_mode, is_weights, **agg)
+    raise ValueError(f"unknown policy_loss {policy_loss!r}; expected vanilla, dual_clip or gspo")
 
 
 @torch.no_grad()

@@ -1,0 +1,55 @@
+"""Keys accepted but inert in the resolved configuration: each becomes a start-up warning naming the key.
+
+A verl user's keys must mean what they meant in verl; where one has no effect here (or rlbus keeps another
+default that the user's other keys show they do not expect), saying so at start-up is the difference
+between a surprise and a silent wrong run.
+"""
+
+from __future__ import annotations
+
+from rlbus.config.schema import RlbusConfig
+
+
+def _set(section: object, name: str) -> bool:
+    return name in getattr(section, "model_fields_set", set())
+
+
+def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
+    """One sentence per key that has no effect as configured (pure: the config in, messages out)."""
+    out: list[str] = []
+    actor, algo = cfg.actor, cfg.algorithm
+    if (
+        actor.policy_loss == "gspo"
+        and _set(actor, "loss_agg_mode")
+        and actor.loss_agg_mode != "seq-mean-token-mean"
+    ):
+        out.append(
+            f"actor.loss_agg_mode={actor.loss_agg_mode} has no effect with actor.policy_loss=gspo: GSPO "
+            "aggregates seq-mean-token-mean (as verl does)"
+        )
+    if actor.policy_loss == "gspo" and _set(actor, "clip_ratio_c"):
+        out.append(
+            "actor.clip_ratio_c has no effect with actor.policy_loss=gspo (no dual clip on sequence ratios)"
+        )
+    critic_keys = sorted(k for k in cfg.critic.model_fields_set)
+    if critic_keys and algo.adv_estimator != "gae":
+        out.append(
+            f"critic.{critic_keys[0]} (and the other critic.* keys) have no effect: "
+            f"algorithm.adv_estimator={algo.adv_estimator} uses no critic; verl's default estimator is "
+            "gae (PPO with a critic): set algorithm.adv_estimator=gae for that"
+        )
+    trainer = cfg.trainer
+    if _set(trainer, "total_epochs") and trainer.total_training_steps is not None:
+        how = "set by you" if _set(trainer, "total_training_steps") else "rlbus's default"
+        out.append(
+            f"trainer.total_epochs={trainer.total_epochs} may be cut short by trainer.total_training_steps="
+            f"{trainer.total_training_steps} ({how}); set trainer.total_training_steps=null to train "
+            "every epoch"
+        )
+    if cfg.rollout.name == "hf" and cfg.rollout.tensor_model_parallel_size > 1:
+        out.append(
+            "rollout.tensor_model_parallel_size has no effect with rollout.name=hf (one device per replica)"
+        )
+    if cfg.rollout.name not in ("vllm", "sglang") and _set(cfg.rollout, "enable_prefix_caching"):
+        out.append("rollout.enable_prefix_caching has no effect with rollout.name=hf")
+    return out
