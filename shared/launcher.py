@@ -17,6 +17,7 @@ from rlbus.metrics_log import progress_line, read_metrics
 from rlbus.notices import read_notices
 
 log = get_logger("launcher")
+EXIT_REFUSED = 2  # a service exits so when its configuration cannot work (it says why in notices.jsonl)
 
 
 def run_dir_of(cfg: RlbusConfig) -> Path:
@@ -149,6 +150,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     old_term = signal.signal(signal.SIGTERM, _stop)
     print(f"rlbus: run {cfg.run.id} in {run_dir} (logs in {run_dir / 'logs'})", flush=True)
     learner = procs[-1]
+    refused = None
     shown = 0
     notices_file = run_dir / "notices.jsonl"
     notices_at = notices_file.stat().st_size if notices_file.exists() else 0  # a resume's old notices are said
@@ -173,12 +175,20 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                 print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
             shown = len(rows)
             show_notices()
+            refused = next((p for p in procs[:-1] if p.proc is not None and p.proc.poll() == EXIT_REFUSED), None)
+            if refused is not None:  # its configuration cannot work: restarting it would loop forever
+                log.error("service refused its configuration; stopping the run", service=refused.name,
+                          log=str(refused.log_path))
+                break
             for p in procs[:-1]:
                 if not p.alive and p.proc is not None and p.proc.returncode not in (0, None):
                     log.warning("service exited; restarting it", service=p.name, rc=p.proc.returncode,
                                 log=str(p.log_path))
                     p.start()
-        rc = learner.proc.returncode if learner.proc and learner.proc.poll() is not None else 130
+        if refused is not None:
+            rc = EXIT_REFUSED
+        else:
+            rc = learner.proc.returncode if learner.proc and learner.proc.poll() is not None else 130
     finally:
         for p in reversed(procs):
             p.stop()
@@ -190,6 +200,8 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     for row in rows[shown:]:
         print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
     show_notices()
-    if rc not in (0, None):
+    if refused is not None:
+        print(f"rlbus: {refused.name} refused its configuration; see {refused.log_path}", file=sys.stderr, flush=True)
+    elif rc not in (0, None):
         print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
     return int(rc or 0)

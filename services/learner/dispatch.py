@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlbus.config import RlbusConfig
-from rlbus.learner.data import PromptLoader
+from rlbus.learner.data import PromptLoader, truncate_prompt
 from rlbus.messages import PromptWork, SamplingParams
 
 
@@ -108,8 +108,9 @@ class Dispatcher:
         while self.ledger.in_flight < self.target_in_flight and (limit is None or sent < limit):
             item = self._next_item()
             prompt_ids = self.tokenizer(item.prompt, add_special_tokens=False)["input_ids"]
-            if len(prompt_ids) > self.cfg.data.max_prompt_length:
-                prompt_ids = prompt_ids[-self.cfg.data.max_prompt_length :]
+            mode = self.cfg.data.truncation
+            # files were checked at start (rlbus.learner.data.prepare_prompts); synthetic prompts keep their end
+            prompt_ids = truncate_prompt(prompt_ids, self.cfg.data.max_prompt_length, "left" if mode == "error" else mode)
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}"
             sampling = self.sampling  # unseeded: replicas batch it with other work
             if self.cfg.rollout.seed_per_prompt:

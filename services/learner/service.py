@@ -89,7 +89,7 @@ class Learner:
         self._refused_said: set[str] = set()
 
     async def setup(self) -> None:
-        from rlbus.learner.data import PromptLoader, load_split
+        from rlbus.learner.data import PromptLoader, check_scorers, load_split, prepare_prompts
         from rlbus.learner.trainer import PolicyTrainer
         from rlbus.learner.weight_push import WeightPusher
         from rlbus.metrics_log import MetricsWriter
@@ -113,8 +113,9 @@ class Learner:
             rewind_metrics(self.run_dir, 0)  # an earlier attempt's rows (none of them resumable) move aside
         model_path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(model_path)
-        records = load_split(cfg.data, "train")
-        self.val_records = load_split(cfg.data, "val")[: cfg.data.val_batch_size]
+        records = prepare_prompts(load_split(cfg.data, "train"), self.tokenizer, cfg.data, "train")
+        self.val_records = prepare_prompts(load_split(cfg.data, "val"), self.tokenizer, cfg.data, "val")
+        check_scorers(records + self.val_records, cfg.reward.type)
         self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.total_steps = total_steps(cfg, len(records))
         device = pick_device(cfg.trainer.device)
@@ -445,6 +446,7 @@ class Learner:
 
 
 async def learner_loop(ctx: ServiceContext) -> int:
+    from rlbus.learner.data import DataError
     from rlbus.learner.weight_push import WeightPushFailed
     from rlbus.notices import post_notice
     from rlbus.weight_transport import PlacementError
@@ -452,8 +454,8 @@ async def learner_loop(ctx: ServiceContext) -> int:
     learner = Learner(ctx)
     try:
         await learner.setup()
-    except PlacementError as exc:
-        ctx.log.error("placement refused", reason=str(exc))
+    except (PlacementError, DataError) as exc:
+        ctx.log.error("refused at start", reason=str(exc))
         post_notice(ctx.run_dir, "learner", f"refused: {exc}")
         return 2
     try:

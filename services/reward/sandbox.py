@@ -3,26 +3,52 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import multiprocessing as mp
 import resource
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any
 
 
 def resolve_callable(spec: str) -> Any:
-    """'pkg.module:function' -> the function. Raises ValueError with the spec when it does not resolve."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {spec!r} must look like 'pkg.module:function'")
+    """'pkg.module:function' or '/path/to/file.py:function' -> the function.
+
+    Raises ValueError naming the spec when it does not resolve (verl users pass a file path:
+    `custom_reward_function.path`)."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"reward function {spec!r} must look like 'pkg.module:function' or 'file.py:function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import reward function {spec!r}: {exc}") from exc
+        if target.endswith(".py") or "/" in target:
+            path = Path(target).expanduser()
+            if not path.is_file():
+                raise ImportError(f"no such file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"rlbus_user_reward_{path.stem}", path)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"cannot load {path} as a Python module")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, attr)
+    except Exception as exc:  # noqa: BLE001 - user code can raise anything at import; say which spec
+        raise ValueError(f"cannot load reward function {spec!r}: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn
+
+
+def uses_verl_signature(fn: Any) -> bool:
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "data_source"
 
 
 def _limit_memory(memory_mb: int) -> None:

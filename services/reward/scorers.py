@@ -20,10 +20,12 @@ class Scorer(Protocol):
 
 
 def _as_reward(value: Any) -> tuple[float, bool]:
-    """User code may return a number, (reward, correct), or {"reward": x, "correct": b}."""
+    """User code may return a number, (reward, correct), {"reward": x, "correct": b}, or verl's
+    {"score": x, "acc": b, ...}."""
     if isinstance(value, dict):
-        reward = float(value["reward"])
-        return reward, bool(value.get("correct", reward > 0))
+        key = "reward" if "reward" in value else "score"
+        reward = float(value[key])
+        return reward, bool(value.get("correct", value.get("acc", reward > 0)))
     if isinstance(value, tuple | list):
         return float(value[0]), bool(value[1])
     reward = float(value)
@@ -48,16 +50,22 @@ class TaskScorer:
 
 
 class FunctionScorer:
-    """A user function 'pkg.mod:fn(prompt, response, meta)', run in a sandboxed child process."""
+    """A user function, run in a sandboxed child process: ours, fn(prompt, response, meta), or verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info) fed from the row's own fields."""
 
-    def __init__(self, spec: str, timeout_s: float, memory_mb: int) -> None:
-        from rlbus.reward.sandbox import Sandbox, resolve_callable
+    def __init__(self, spec: str, timeout_s: float, memory_mb: int, signature: str = "auto") -> None:
+        from rlbus.reward.sandbox import Sandbox, resolve_callable, uses_verl_signature
 
-        resolve_callable(spec)  # fail at start, with the spec in the message, not on the first item
+        fn = resolve_callable(spec)  # fail at start, with the spec in the message, not on the first item
+        self.verl = signature == "verl" or (signature == "auto" and uses_verl_signature(fn))
         self.name = f"function:{spec}"
         self._sandbox = Sandbox(spec, timeout_s, memory_mb)
 
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
+        if self.verl:
+            ground_truth = meta.get("ground_truth", meta.get("answer"))
+            return _as_reward(self._sandbox.call(meta.get("data_source"), response, ground_truth,
+                                                 meta.get("extra_info")))
         return _as_reward(self._sandbox.call(prompt, response, meta))
 
     def close(self) -> None:
@@ -79,7 +87,7 @@ class HTTPScorer:
 
 def build_scorer(cfg: RewardConfig) -> Scorer:
     if cfg.type == "function":
-        return FunctionScorer(cfg.function or "", cfg.timeout_s, cfg.memory_limit_mb)
+        return FunctionScorer(cfg.function or "", cfg.timeout_s, cfg.memory_limit_mb, cfg.signature)
     if cfg.type == "http":
         return HTTPScorer(cfg.http_url or "", cfg.timeout_s)
     return TaskScorer()

@@ -10,6 +10,7 @@ from rlbus.messages import ReadyGroup, ScoredGroup, TrajectoryGroup
 from rlbus.service import ServiceContext, run_service
 
 FETCH_BATCH = 16
+EXIT_REFUSED = 2  # the configuration cannot work: a supervisor must not restart us (rlbus up stops the run)
 
 
 def score_group(scorer, group: TrajectoryGroup, on_error: float) -> ScoredGroup:
@@ -33,7 +34,14 @@ async def reward_loop(ctx: ServiceContext) -> int:
     from rlbus.reward.scorers import build_scorer
 
     cfg = ctx.cfg
-    scorer = build_scorer(cfg.reward)
+    try:
+        scorer = build_scorer(cfg.reward)
+    except ValueError as exc:  # a reward that cannot load: one clear error, not a restart loop
+        from rlbus.notices import post_notice
+
+        ctx.log.error("reward implementation cannot load", reason=str(exc))
+        post_notice(ctx.run_dir, "reward", f"refused: {exc}")
+        return EXIT_REFUSED
     out_stage = Stage.SCORED if cfg.needs_ref else Stage.READY
     consumer = await ctx.bus.consumer(Stage.TRAJECTORIES, durable="reward", expected=TrajectoryGroup,
                                       ack_wait_s=cfg.bus.ack_wait_s, max_deliver=cfg.bus.max_deliver)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -22,9 +22,11 @@ class RunConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["addition", "countdown", "jsonl"] = "addition"
-    train_files: list[Path] = Field(default_factory=list, description="JSONL/parquet files when task=jsonl")
-    val_files: list[Path] = Field(default_factory=list)
+    task: Literal["addition", "countdown", "jsonl"] = Field(
+        "addition", description="a synthetic task, or jsonl = the rows of train_files/val_files (JSONL or parquet, "
+        "verl's schema included); jsonl is implied when train_files is given")
+    train_files: list[Path] = Field(default_factory=list, description="JSONL/parquet files: one path or a list")
+    val_files: list[Path] = Field(default_factory=list, description="held-out files: one path or a list")
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     train_batch_size: int = Field(16, ge=1, description="prompts per learner step")
@@ -36,6 +38,28 @@ class DataConfig(Section):
     shuffle: bool = True
     seed: int = 0
     task_digits: int = Field(2, ge=1, le=6, description="operand digits of the synthetic tasks")
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error", description="a prompt over max_prompt_length: refuse the run at start (verl's default), or keep "
+        "its end (left), its start (right), or both ends (middle)")
+    filter_overlong_prompts: bool = Field(False, description="drop rows whose prompt is over max_prompt_length")
+    return_raw_chat: bool = Field(False, description="accepted for verl; chat prompts are always rendered here")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        """verl's scripts pass one path (`data.train_files=$HOME/data/gsm8k/train.parquet`) or a list."""
+        return [value] if isinstance(value, str | Path) else value
+
+    @model_validator(mode="after")
+    def _files_mean_files(self) -> DataConfig:
+        if self.train_files and self.task != "jsonl":
+            if "task" in self.model_fields_set:
+                raise ValueError(
+                    f"data.train_files is set but data.task={self.task} makes its own synthetic data: drop "
+                    "data.task (the files are then used) or drop data.train_files"
+                )
+            self.__dict__["task"] = "jsonl"  # the files are the data: never a silent synthetic fallback
+        return self
 
 
 class ModelConfig(Section):
@@ -78,8 +102,13 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    type: Literal["task", "function", "http"] = "task"
-    function: str | None = Field(None, description="'pkg.module:callable' when type=function")
+    type: Literal["task", "function", "http"] = Field(
+        "task", description="task = the built-in verifier of each row's data_source / task")
+    function: str | None = Field(
+        None, description="'pkg.module:callable' or '/path/file.py:callable' when type=function")
+    signature: Literal["auto", "rlbus", "verl"] = Field(
+        "auto", description="rlbus: fn(prompt, response, meta); verl: compute_score(data_source, solution_str, "
+        "ground_truth, extra_info); auto: verl when the first parameter is named data_source")
     http_url: str | None = None
     on_error_score: float = 0.0
     timeout_s: float = Field(10.0, gt=0)
@@ -92,6 +121,14 @@ class RewardConfig(Section):
         if self.type == "http" and not self.http_url:
             raise ValueError("reward.http_url is required when reward.type=http")
         return self
+
+
+class CustomRewardFunctionConfig(Section):
+    """verl's `custom_reward_function.path/name`: a file with compute_score(data_source, solution_str,
+    ground_truth, extra_info); it becomes reward.type=function with verl's signature."""
+
+    path: Path | None = None
+    name: str = "compute_score"
 
 
 class RefConfig(Section):
@@ -271,6 +308,7 @@ class RlbusConfig(BaseSettings):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardFunctionConfig = Field(default_factory=CustomRewardFunctionConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
@@ -279,6 +317,22 @@ class RlbusConfig(BaseSettings):
     bus: BusConfig = Field(default_factory=BusConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+
+    @model_validator(mode="after")
+    def _verl_reward_function(self) -> RlbusConfig:
+        crf = self.custom_reward_function
+        if crf.path is not None:
+            spec = f"{crf.path}:{crf.name}"
+            if self.reward.type == "http":
+                raise ValueError("custom_reward_function.path and reward.type=http both name the reward: keep one")
+            if self.reward.function not in (None, spec):
+                raise ValueError(f"custom_reward_function.path and reward.function={self.reward.function} both name "
+                                 "the reward function: keep one")
+            if self.reward.function != spec or self.reward.type != "function":
+                self.__dict__["reward"] = self.reward.model_copy(
+                    update={"type": "function", "function": spec,
+                            "signature": "verl" if self.reward.signature == "auto" else self.reward.signature})
+        return self
 
     @property
     def needs_ref(self) -> bool:

@@ -20,4 +20,8 @@ def get_task(name: str, digits: int = 2, **kwargs) -> Task:
         return CountdownTask(digits=digits)
     if key == "gsm8k":
         return Gsm8kTask(**kwargs)
+    if key == "math":
+        from rlbus.tasks.math import MathTask  # imports math-verify (sympy) only when a run has MATH rows
+
+        return MathTask()
     raise ValueError(f"unknown task {name!r}; known: {', '.join(TASK_NAMES)}")
