@@ -51,8 +51,16 @@ def test_gspo_aggregates_seq_mean_token_mean_whatever_the_mode() -> None:
 
 
 def test_keys_that_mean_nothing_here_are_warned_about() -> None:
-    cfg = load_config(None, ["critic.model.path=/m", "critic.optim.lr=1e-5", "trainer.total_epochs=15",
-                             "actor_rollout_ref.actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"])
+    cfg = load_config(
+        None,
+        [
+            "critic.model.path=/m",
+            "critic.optim.lr=1e-5",
+            "trainer.total_epochs=15",
+            "actor_rollout_ref.actor.policy_loss=gspo",
+            "actor.loss_agg_mode=token-mean",
+        ],
+    )
     warnings = "\n".join(inert_key_warnings(cfg))
     assert "critic." in warnings and "algorithm.adv_estimator=gae" in warnings
     assert "trainer.total_epochs=15" in warnings and "trainer.total_training_steps=150" in warnings

@@ -27,14 +27,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 )
 
-COMPUTE_SCORE = '''
+COMPUTE_SCORE = """
 import json, os
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     with open(os.environ["RLBUS_TEST_CALLS"], "a") as f:
         f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
     return {"score": float(solution_str.strip().startswith(str(ground_truth))), "acc": None}
-'''
+"""
 
 
 def verl_rows(count: int, seed: int = 0) -> list[dict]:
@@ -43,13 +43,15 @@ def verl_rows(count: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(count):
         a, b = rng.randint(10, 49), rng.randint(10, 49)
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": f"{a}+{b}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": "train", "index": i},
-        })
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"{a}+{b}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
     return rows
 
 
@@ -124,20 +126,37 @@ def test_verl_parquet_trains_with_chat_prompts_and_compute_score(
     scorer.write_text(COMPUTE_SCORE)
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("RLBUS_TEST_CALLS", str(calls))
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        f"actor_rollout_ref.model.path={chat_model(tmp_path)}", f"data.train_files={train}",
-        f"custom_reward_function.path={scorer}", "custom_reward_function.name=compute_score",
-        "data.train_batch_size=8", "rollout.n=4", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.dump_first_batch=true", "data.max_prompt_length=16",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            f"actor_rollout_ref.model.path={chat_model(tmp_path)}",
+            f"data.train_files={train}",
+            f"custom_reward_function.path={scorer}",
+            "custom_reward_function.name=compute_score",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.dump_first_batch=true",
+            "data.max_prompt_length=16",
+        ],
+    )
     with Run(cfg) as run:
         assert run.wait_learner(240) == 0, run.logs("learner") + run.logs("reward")
-    groups = [decode(f, ReadyGroup) for f in read_frames((run.run_dir / "first_update/groups_step0.msgpack").read_bytes())]
+    groups = [
+        decode(f, ReadyGroup)
+        for f in read_frames((run.run_dir / "first_update/groups_step0.msgpack").read_bytes())
+    ]
     rows = {r["extra_info"]["index"]: r for r in verl_rows(64)}
     for group in groups:
         work = group.scored.trajectories.work
         row = rows[work.meta["extra_info"]["index"]]
-        assert work.prompt_text == row["prompt"][0]["content"] + "="  # chat-rendered, not the message list's repr
+        assert (
+            work.prompt_text == row["prompt"][0]["content"] + "="
+        )  # chat-rendered, not the message list's repr
         assert group.scored.reward_impl.endswith("my_reward.py:compute_score")
         for sample, reward in zip(group.scored.trajectories.samples, group.scored.rewards, strict=True):
             assert reward == float(sample.text.strip().startswith(row["reward_model"]["ground_truth"]))
@@ -146,6 +165,9 @@ def test_verl_parquet_trains_with_chat_prompts_and_compute_score(
     for data_source, solution_str, ground_truth, extra_info in seen:
         row = rows[extra_info["index"]]
         assert (data_source, ground_truth, extra_info) == (
-            row["data_source"], row["reward_model"]["ground_truth"], row["extra_info"])
+            row["data_source"],
+            row["reward_model"]["ground_truth"],
+            row["extra_info"],
+        )
         assert isinstance(solution_str, str)
     assert any(g.scored.rewards for g in groups)

@@ -47,8 +47,9 @@ class CheckpointError(RuntimeError):
 # ------------------------------------------------------------------------------------------ locations
 
 
-def checkpoint_root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIRNAME
+def checkpoint_root(run_dir: str | os.PathLike, local_dir: str | os.PathLike | None = None) -> Path:
+    """`trainer.default_local_dir` when set, else `<run dir>/checkpoints` (the run dir is per experiment)."""
+    return Path(local_dir) if local_dir is not None else Path(run_dir) / CHECKPOINTS_DIRNAME
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -389,13 +390,15 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 SUPERSEDED_METRICS = "metrics.superseded.jsonl"
 
 
-def resume_target(run_dir: str | os.PathLike, mode: str, log: Any = None) -> Path | None:
+def resume_target(
+    run_dir: str | os.PathLike, mode: str, log: Any = None, local_dir: str | os.PathLike | None = None
+) -> Path | None:
     """trainer.resume_mode: auto = the latest complete checkpoint under the run dir if any (else None: a
     fresh start), disable = None, anything else = that checkpoint (an error when it is not a complete one).
 
     A `disable` start moves earlier checkpoints aside, so a later `auto` never resumes another run's steps.
     """
-    root = checkpoint_root(run_dir)
+    root = checkpoint_root(run_dir, local_dir)
     mode = str(mode)
     if mode == "auto":
         return latest_checkpoint(root)

@@ -70,7 +70,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 class Critic:
     def __init__(self, cfg: RlbusConfig, model_path: Path, device: torch.device, total_steps: int) -> None:
-        from rlbus.learner.trainer import lr_lambda
+        from rlbus.learner.trainer import lr_lambda, warmup_steps
 
         self.cfg = cfg
         self.device = device
@@ -86,7 +86,8 @@ class Critic:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_lambda(s, optim.lr_warmup_steps, total_steps, optim.lr_scheduler, optim.min_lr_ratio),
+            lambda s: lr_lambda(s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler,
+                                optim.min_lr_ratio),
         )
 
     def _forward(self, mb: TrainBatch) -> torch.Tensor:

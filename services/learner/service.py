@@ -151,7 +151,8 @@ class Learner:
     def _resume_target(self) -> Path | None:
         from rlbus.learner.checkpoint import resume_target
 
-        return resume_target(self.run_dir, self.cfg.trainer.resume_mode, self.ctx.log)
+        return resume_target(self.run_dir, self.cfg.trainer.resume_mode, self.ctx.log,
+                             self.cfg.trainer.default_local_dir)
 
     async def _prepare_bus(self, fresh: bool) -> None:
         """A fresh start empties the run's streams; a resume keeps them (replica heartbeats, weight
@@ -219,7 +220,7 @@ class Learner:
 
         extra = {"step": done, "policy_version": self.version, "loader": self.loader.state_dict(),
                  "ledger": self.ledger.to_dict(), "attempt": self.attempt, "run_id": self.cfg.run.id}
-        root = checkpoint_root(self.run_dir)
+        root = checkpoint_root(self.run_dir, self.cfg.trainer.default_local_dir)
         t0 = time.perf_counter()
         self.trainer.par.lead_call("save_checkpoint", path=str(step_dir(root, done)))  # ranks > 0 save alongside
         path = await asyncio.to_thread(save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer)

@@ -25,6 +25,13 @@ from rlbus.learner.batch import TrainBatch
 from rlbus.modeling import torch_dtype
 
 
+def warmup_steps(optim, total_steps: int) -> int:
+    """verl's rule: lr_warmup_steps, or (when it is -1) lr_warmup_steps_ratio of the total steps."""
+    if optim.lr_warmup_steps >= 0:
+        return int(optim.lr_warmup_steps)
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     """Linear warmup, then constant or cosine decay to `min_ratio` of the base lr."""
     if warmup > 0 and step < warmup:
@@ -51,7 +58,8 @@ class PolicyTrainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_lambda(s, optim.lr_warmup_steps, total_steps, optim.lr_scheduler, optim.min_lr_ratio),
+            lambda s: lr_lambda(s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler,
+                                optim.min_lr_ratio),
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)

@@ -25,6 +25,66 @@ VERL_PREFIXES: dict[str, str] = {
     "actor.kl_loss_type": "actor.kl_loss_type",
 }
 
+# verl spellings of our keys, after the prefixes above: exact canonical key -> ours.
+VERL_ALIASES: dict[str, str] = {
+    "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "actor.fsdp_config.param_offload": "actor.param_offload",
+    "actor.fsdp_config.optimizer_offload": "actor.optimizer_offload",
+    "actor.grad_clip": "actor.optim.grad_clip",
+    "actor.optim.warmup_style": "actor.optim.lr_scheduler",
+    "actor.optim.lr_scheduler_type": "actor.optim.lr_scheduler",
+    "critic.grad_clip": "critic.optim.grad_clip",
+    "critic.optim.warmup_style": "critic.optim.lr_scheduler",
+    "critic.optim.lr_scheduler_type": "critic.optim.lr_scheduler",
+    "ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size",
+    "ref.log_prob_micro_batch_size": "ref.micro_batch_size",
+    "rollout.tensor_parallel_size": "rollout.tensor_model_parallel_size",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+}
+
+# verl keys accepted but without effect here (canonical key, or a prefix ending in '.') -> why. They are
+# taken out before validation and each becomes a start-up warning naming it (rlbus.config.warnings).
+VERL_INERT: dict[str, str] = {
+    "rollout.log_prob_micro_batch_size_per_gpu": "log-probs are recomputed with actor.ppo_micro_batch_size",
+    "rollout.log_prob_micro_batch_size": "log-probs are recomputed with actor.ppo_micro_batch_size",
+    "rollout.log_prob_use_dynamic_bsz": "log-probs are recomputed with the actor's micro-batches",
+    "rollout.load_format": "replicas load the checkpoint directory themselves",
+    "rollout.layered_summon": "the learner streams full tensors one at a time already",
+    "rollout.mode": "rollout replicas are always asynchronous services here",
+    "rollout.multi_turn.": "multi-turn rollouts are not supported: generation is single-turn",
+    "rollout.dtype": "replicas use model.dtype",
+    "rollout.calculate_log_probs": "replicas always record behaviour log-probs",
+    "rollout.max_num_batched_tokens": "replicas batch by rollout.max_num_seqs",
+    "rollout.enable_chunked_prefill": "left to the engine's default",
+    "rollout.free_cache_engine": "replicas are separate processes; they keep their cache",
+    "ref.fsdp_config.": "the ref service holds one unsharded copy of the reference model",
+    "ref.strategy": "the ref service holds one unsharded copy of the reference model",
+    "ref.ulysses_sequence_parallel_size": "no sequence parallelism",
+    "actor.strategy": "the learner always uses FSDP2 (one rank: a plain module)",
+    "actor.fsdp_config.": "FSDP2 wraps every decoder layer over all learner ranks (wrap_policy, fsdp_size, ...)",
+    "actor.ulysses_sequence_parallel_size": "no sequence parallelism",
+    "actor.use_torch_compile": "the learner decides compilation itself",
+    "critic.ppo_micro_batch_size_per_gpu": "the critic trains on the actor's micro-batches",
+    "critic.ppo_micro_batch_size": "the critic trains on the actor's micro-batches",
+    "critic.ppo_mini_batch_size": "the critic trains on the actor's mini-batches",
+    "critic.fsdp_config.": "the critic is sharded like the policy",
+    "critic.use_remove_padding": "the critic shares the policy's model settings",
+    "critic.enable_gradient_checkpointing": "the critic shares the policy's model settings",
+    "critic.strategy": "the critic is sharded like the policy",
+    "critic.ulysses_sequence_parallel_size": "no sequence parallelism",
+    "model.use_shm": "models load from their directory (no /dev/shm copy)",
+    "model.external_lib": "no external model library is imported",
+    "data.return_raw_chat": "chat prompts are always rendered by the learner with the tokenizer's template",
+    "data.num_workers": "data is read once at start; no loader workers",
+    "data.dataloader_num_workers": "data is read once at start; no loader workers",
+    "trainer.default_hdfs_dir": "no HDFS upload: checkpoints stay in trainer.default_local_dir",
+    "trainer.log_val_generations": "validation generations are not logged",
+    "trainer.val_generations_to_log_to_wandb": "validation generations are not logged",
+    "trainer.use_legacy_worker_impl": "one worker implementation",
+    "trainer.balance_batch": "batches are split by tokens when packing (model.use_remove_padding)",
+    "reward_model.": "reward models are not a reward implementation here yet: use reward.type=function or http",
+}
+
 _yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rlbus_yaml_layer", default=None)
 
 
@@ -46,8 +106,31 @@ def canonical_key(key: str) -> str:
     """Maps a verl-style dotted key onto ours (e.g. actor_rollout_ref.model.path -> model.path)."""
     for prefix in sorted(VERL_PREFIXES, key=len, reverse=True):
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
-            return VERL_PREFIXES[prefix] + key[len(prefix) :] if prefix.endswith(".") else VERL_PREFIXES[prefix]
-    return key
+            key = VERL_PREFIXES[prefix] + key[len(prefix) :] if prefix.endswith(".") else VERL_PREFIXES[prefix]
+            break
+    return VERL_ALIASES.get(key, key)
+
+
+def inert_reason(key: str) -> str | None:
+    """Why a canonical key has no effect here, or None when it is one of ours."""
+    if key in VERL_INERT:
+        return VERL_INERT[key] or None
+    for prefix, reason in VERL_INERT.items():
+        if prefix.endswith(".") and key.startswith(prefix):
+            return reason
+    return None
+
+
+def _split_inert(flat: dict[str, Any], inert: dict[str, str]) -> dict[str, Any]:
+    kept = {}
+    for key, value in flat.items():
+        canonical = canonical_key(key)
+        reason = inert_reason(canonical)
+        if reason is None:
+            kept[canonical] = value
+        else:
+            inert[key] = reason
+    return kept
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -90,8 +173,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return flat
 
 
-def _canonical_tree(flat: dict[str, Any]) -> dict[str, Any]:
-    return unflatten({canonical_key(k): v for k, v in flat.items()})
+def _canonical_tree(flat: dict[str, Any], inert: dict[str, str] | None = None) -> dict[str, Any]:
+    return unflatten(_split_inert(flat, {} if inert is None else inert))
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
@@ -123,6 +206,7 @@ def describe(error: ValidationError) -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RlbusConfig:
     """YAML file (weakest), then RLBUS_* env vars, then dotted overrides (strongest)."""
     file_tree: dict[str, Any] = {}
+    inert: dict[str, str] = {}
     if path is not None:
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -130,11 +214,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level")
-        file_tree = _canonical_tree(flatten(raw))
-    cli_tree = _canonical_tree(parse_overrides(overrides or []))
+        file_tree = _canonical_tree(flatten(raw), inert)
+    cli_tree = _canonical_tree(parse_overrides(overrides or []), inert)
     token = _yaml_layer.set(file_tree)
     try:
-        return RlbusConfig(**cli_tree)
+        config = RlbusConfig(**cli_tree)
+        config.inert_keys.update(inert)
+        return config
     except ValidationError as exc:
         raise ConfigError(describe(exc)) from None
     finally:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -42,7 +43,6 @@ class DataConfig(Section):
         "error", description="a prompt over max_prompt_length: refuse the run at start (verl's default), or keep "
         "its end (left), its start (right), or both ends (middle)")
     filter_overlong_prompts: bool = Field(False, description="drop rows whose prompt is over max_prompt_length")
-    return_raw_chat: bool = Field(False, description="accepted for verl; chat prompts are always rendered here")
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -149,7 +149,8 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["k1", "k2", "k3"] = "k1"
+    kl_penalty: Literal["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl"] = Field(
+        "k1", description="KL estimator of use_kl_in_reward; verl's names (kl, abs, mse, low_var_kl) too")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
     overlong_buffer_len: int = Field(0, ge=0, description="DAPO soft overlong punishment: last N tokens; 0 = off")
@@ -161,8 +162,9 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, description="Adam epsilon")
-    lr_warmup_steps: int = Field(0, ge=0)
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=-1, description="-1 = lr_warmup_steps_ratio of the total steps (verl)")
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="warmup share when lr_warmup_steps=-1")
+    lr_scheduler: Literal["constant", "cosine"] = Field("constant", description="verl: warmup_style")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, gt=0.0)
 
@@ -185,7 +187,9 @@ class ActorConfig(Section):
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
-    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: Literal["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    use_dynamic_bsz: bool = Field(False, description="token-bounded micro-batches (ppo_max_token_len_per_gpu); "
+                                  "effective with model.use_remove_padding")
     tis_cap: float = Field(2.0, gt=0.0, description="truncated importance-sampling cap for stale samples")
     ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
     param_offload: bool = False
@@ -207,13 +211,17 @@ class TrainerConfig(Section):
     test_freq: int = Field(25, description="validate (greedy, held-out split) every N steps; -1 = never")
     val_before_train: bool = True
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl", "tensorboard"]
+        default_factory=lambda: ["console", "jsonl", "tensorboard"], description="one name or a list"
     )
     project_name: str = "rlbus"
     experiment_name: str = "demo"
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(0, ge=0, description="0 = CPU")
-    resume_mode: str = Field("auto", description="auto | disable | <checkpoint path>")
+    resume_mode: str = Field("auto", description="auto | disable | resume_path (with resume_from_path) | <path>")
+    resume_from_path: str | None = Field(None, description="the checkpoint to resume (verl); implies resume_path")
+    default_local_dir: Path | None = Field(
+        None, description="checkpoint folder; None = <run dir>/checkpoints (the run dir is per experiment)")
+    critic_warmup: int = Field(0, ge=0, description="verl: steps that train only the critic; 0 only here")
     max_ckpt_to_keep: int = Field(3, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -228,6 +236,20 @@ class TrainerConfig(Section):
     weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
     dump_first_batch: bool = Field(False, description="write step 1's batch and update to the run dir (tests)")
+
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _logger_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _resume_path(self) -> TrainerConfig:
+        if self.resume_from_path and self.resume_mode in ("auto", "resume_path"):
+            self.__dict__["resume_mode"] = str(self.resume_from_path)
+        elif self.resume_mode == "resume_path":
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return self
 
 
 class BusConfig(Section):
@@ -317,6 +339,22 @@ class RlbusConfig(BaseSettings):
     bus: BusConfig = Field(default_factory=BusConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    _inert_keys: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def inert_keys(self) -> dict[str, str]:
+        """verl keys the loader accepted without effect here -> why (each a start-up warning)."""
+        return self._inert_keys
+
+    @model_validator(mode="after")
+    def _run_per_experiment(self) -> RlbusConfig:
+        """verl keys checkpoints by experiment: a new trainer.experiment_name is a new run (streams, run dir,
+        checkpoints), never a resume of another experiment's state. An explicit run.id wins."""
+        if "id" not in self.run.model_fields_set and "experiment_name" in self.trainer.model_fields_set:
+            run_id = re.sub(r"[^A-Za-z0-9_-]+", "-", self.trainer.experiment_name).strip("-") or "demo"
+            if run_id != self.run.id:
+                self.__dict__["run"] = self.run.model_copy(update={"id": run_id})
+        return self
 
     @model_validator(mode="after")
     def _verl_reward_function(self) -> RlbusConfig:

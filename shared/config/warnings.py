@@ -16,7 +16,7 @@ def _set(section: object, name: str) -> bool:
 
 def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
     """One sentence per key that has no effect as configured (pure: the config in, messages out)."""
-    out: list[str] = []
+    out: list[str] = [f"{key} has no effect here: {why}" for key, why in cfg.inert_keys.items()]
     actor, algo = cfg.actor, cfg.algorithm
     if (
         actor.policy_loss == "gspo"
@@ -52,4 +52,22 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
         )
     if cfg.rollout.name not in ("vllm", "sglang") and _set(cfg.rollout, "enable_prefix_caching"):
         out.append("rollout.enable_prefix_caching has no effect with rollout.name=hf")
+    if trainer.critic_warmup:
+        out.append(
+            f"trainer.critic_warmup={trainer.critic_warmup} has no effect: the critic and the actor "
+            "train from the first step"
+        )
+    if _set(cfg.data, "val_batch_size"):
+        out.append("data.val_batch_size has no effect: every held-out row is validated (as verl does)")
+    if actor.use_dynamic_bsz and not cfg.model.use_remove_padding:
+        out.append(
+            "actor.use_dynamic_bsz has no effect without model.use_remove_padding=true (token-bounded "
+            "micro-batches need packing)"
+        )
+    if trainer.nnodes > 1 or trainer.n_gpus_per_node > 1:
+        out.append(
+            f"trainer.nnodes={trainer.nnodes} / trainer.n_gpus_per_node={trainer.n_gpus_per_node}: "
+            "`rlbus up` starts one learner process; for more GPUs start the learner with torchrun "
+            "(README: Scale) or use slurm/ or k8s/"
+        )
     return out
