@@ -69,7 +69,7 @@ def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Pat
     # Long enough to be still running while status looks at it on a fast machine; stopped once checked.
     cfg = make_config(nats_url, run_id, tmp_path, [
         "trainer.total_training_steps=400", "data.train_batch_size=8", "rollout.n=4", "rollout.prompts_per_batch=4",
-        "trainer.async_level=1", "trainer.val_before_train=true", "trainer.test_freq=0", "data.val_batch_size=16",
+        "trainer.async_level=1", "trainer.val_before_train=true", "trainer.test_freq=0", "data.num_val_examples=16",
     ])
     with Run(cfg) as run:
         run.wait_for_step(2, 180)

@@ -84,7 +84,7 @@ class Learner:
         self._weights_behind = False  # a group came from weights this learner never made: push ours
         self._forced_push_at = 0.0
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
-        self.val_results: list[tuple[float, bool]] = []
+        self.val_results: list[tuple[float, bool, int]] = []  # reward, correct, policy version that answered
         self.overflow: list = []  # ready groups received while a full batch waited for validation
         self._refused_said: set[str] = set()
 
@@ -244,14 +244,17 @@ class Learner:
         if self.val_records:
             self.val_pending = await self.dispatcher.dispatch_validation(self.val_records, self.version, step)
             self.val_results = []
-            self.val_version = self.version
 
     def validation_metrics(self) -> dict[str, float]:
         if not self.val_results or self.val_pending:
             return {}
-        rewards = [r for r, _ in self.val_results]
-        return {"val/accuracy": float(np.mean([c for _, c in self.val_results])),
-                "val/reward_mean": float(np.mean(rewards)), "val/version": float(self.val_version)}
+        rewards = [r for r, _, _ in self.val_results]
+        versions = [v for _, _, v in self.val_results]
+        # Validation work asks for the learner's version at dispatch and the step waits for it before the
+        # next push, so every answer comes from exactly those weights; the record says which answered.
+        return {"val/accuracy": float(np.mean([c for _, c, _ in self.val_results])),
+                "val/reward_mean": float(np.mean(rewards)), "val/version": float(min(versions)),
+                "val/version_max": float(max(versions)), "val/prompts": float(len(versions))}
 
     async def _consider(self, d, batch: list, need: int) -> None:
         """Routes one ready group: validation result, batch member, overflow, or settled as dropped."""
@@ -260,7 +263,8 @@ class Learner:
         pid = work.prompt_id
         if work.split == "val":
             if self.val_pending.pop(pid, None) is not None:
-                self.val_results.append((group.scored.rewards[0], group.scored.correct[0]))
+                self.val_results.append((group.scored.rewards[0], group.scored.correct[0],
+                                         group.scored.trajectories.policy_version))
             await d.ack()
             return
         lag = self.version - group.scored.trajectories.policy_version

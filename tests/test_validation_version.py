@@ -1,0 +1,54 @@
+"""Validation is answered by the weights it is labelled with: the before-training reading of a run equals an
+offline greedy evaluation of the initial weights on the same held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlbus.config import RlbusConfig
+from rlbus.learner.data import load_split
+from rlbus.messages import SamplingParams
+from rlbus.rollout.engines.base import GenerationRequest
+from rlbus.rollout.engines.hf import HFEngine
+from rlbus.tasks import get_task
+from rlbus.tiny_model import default_model_path
+
+
+def offline_greedy_accuracy(cfg: RlbusConfig) -> float:
+    engine = HFEngine(default_model_path(), device="cpu")
+    records = load_split(cfg.data, "val")
+    task = get_task(cfg.data.task, digits=cfg.data.task_digits)
+    greedy = SamplingParams(temperature=0.0, max_tokens=cfg.data.max_response_length)
+    requests = [
+        GenerationRequest(engine.tokenizer(p, add_special_tokens=False)["input_ids"], 1, greedy)
+        for p, _ in records
+    ]
+    completions = engine.generate(requests)
+    correct = [task.score(c[0].text, meta)[1] for c, (_, meta) in zip(completions, records, strict=True)]
+    return sum(correct) / len(correct)
+
+
+@pytest.mark.timeout(300)
+def test_before_training_reading_equals_offline_greedy(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    from e2e_utils import Run, make_config
+
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=true",
+            "trainer.test_freq=-1",
+            "trainer.async_level=1",
+            "data.num_val_examples=128",
+        ],
+    )
+    with Run(cfg) as run:
+        assert run.wait_learner(240) == 0, run.logs("learner")
+    first = run.metrics()[0]
+    assert first["val/version"] == first["val/version_max"] == 0  # the initial weights, and only they
+    assert first["val/prompts"] == 128
+    assert first["val/accuracy"] == pytest.approx(offline_greedy_accuracy(cfg), abs=1e-9)
