@@ -94,6 +94,8 @@ def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, object | Non
     url, server = resolve_bus_url(cfg.bus, run_dir)
     resolved = cfg.model_copy(deep=True)
     resolved.bus.url = url
+    if "jsonl" not in resolved.trainer.logger:  # the progress lines on this terminal are read from it
+        resolved.trainer.logger = [*resolved.trainer.logger, "jsonl"]
     if fresh:
         resolved.trainer.resume_mode = "disable"
     config_path = save_config(resolved, run_dir / "config.yaml")
@@ -104,6 +106,16 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_loggers(cfg: RlbusConfig) -> str | None:
+    """A logger whose library is missing is refused before anything starts (not a traceback in a log)."""
+    import importlib.util
+
+    if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
+        return ("trainer.logger names wandb, which is not installed: pip install 'rlbus[wandb]' (or wandb), "
+                "or drop it from trainer.logger")
+    return None
 
 
 def check_placement(cfg: RlbusConfig, gpus: int) -> str | None:
@@ -128,7 +140,7 @@ def gpu_env(gpus: int) -> dict[str, str]:
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
     gpus = visible_gpus()
-    refused = check_placement(cfg, gpus)
+    refused = check_loggers(cfg) or check_placement(cfg, gpus)
     if refused:
         print(f"rlbus: refused: {refused}", file=sys.stderr, flush=True)
         return 2
