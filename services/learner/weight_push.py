@@ -146,7 +146,7 @@ class WeightPusher:
         live = await self.live_replicas()
         transports = self._assign(live)
         if not transports:
-            self.members = {}
+            self.members, self.transports = {}, {}
             self.pushed_version = version
             return True
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
@@ -167,6 +167,7 @@ class WeightPusher:
         reform = (
             self.members is None
             or self.transports != transports
+            or set(transports) != set(self.members)
             or (bool(group_ids) and (self.sender is None or not self.sender.is_open))
         )
         new_group = bool(group_ids) and reform
