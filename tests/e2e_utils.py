@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,18 @@ FAST = [
     "trainer.logger=[jsonl]", "bus.ack_wait_s=8", "trainer.replica_timeout_s=8", "trainer.weight_push_timeout_s=30",
     "trainer.batch_timeout_s=120", "logging.level=info",
 ]
+
+
+def rlbus_up(
+    tmp_path: Path, nats_url: str, run_id: str, *overrides: str, timeout: float
+) -> subprocess.CompletedProcess:
+    """`rlbus up` as a user runs it (console output captured), on the test's NATS and run dir; later
+    overrides win over the defaults given here."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "up", f"bus.url={nats_url}", f"run.id={run_id}",
+         f"run.dir={tmp_path / 'runs'}", "trainer.logger=[jsonl]", *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+    )
 
 
 def make_config(nats_url: str, run_id: str, tmp_path: Path, overrides: list[str]) -> RlbusConfig:

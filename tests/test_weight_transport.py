@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_utils import rlbus_up
 
 from rlbus.weight_transport import (
     DevicePlace,
@@ -96,31 +95,9 @@ def test_config_placements_that_can_work_pass(choice, learner, rollout, gpus) ->
     check_config_placement(choice, learner, rollout, gpus)
 
 
-def _rlbus_up(
-    tmp_path: Path, nats_url: str, run_id: str, *overrides: str, timeout: float
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"bus.url={nats_url}",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
-            "trainer.logger=[jsonl]",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=tmp_path,
-    )
-
-
 def test_impossible_forced_transport_is_refused_at_start(tmp_path: Path, nats_url: str, run_id: str) -> None:
     """On this CPU box `nccl` can never work: `rlbus up` refuses before starting anything, naming the key."""
-    done = _rlbus_up(tmp_path, nats_url, run_id, "trainer.weight_sync_backend=nccl", timeout=60)
+    done = rlbus_up(tmp_path, nats_url, run_id, "trainer.weight_sync_backend=nccl", timeout=60)
     assert done.returncode == 2, done.stderr
     assert "trainer.weight_sync_backend=nccl" in done.stderr
     assert "set trainer.weight_sync_backend=auto" in done.stderr
@@ -132,7 +109,7 @@ def test_push_failing_for_one_reason_stops_the_run_with_it(
 ) -> None:
     """An injected fault (a weight-group address this host does not have) fails every push the same way:
     after trainer.weight_push_max_failures of them the run stops, and the console says why."""
-    done = _rlbus_up(
+    done = rlbus_up(
         tmp_path,
         nats_url,
         run_id,

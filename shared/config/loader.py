@@ -114,7 +114,7 @@ def canonical_key(key: str) -> str:
 def inert_reason(key: str) -> str | None:
     """Why a canonical key has no effect here, or None when it is one of ours."""
     if key in VERL_INERT:
-        return VERL_INERT[key] or None
+        return VERL_INERT[key]
     for prefix, reason in VERL_INERT.items():
         if prefix.endswith(".") and key.startswith(prefix):
             return reason
@@ -173,8 +173,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return flat
 
 
-def _canonical_tree(flat: dict[str, Any], inert: dict[str, str] | None = None) -> dict[str, Any]:
-    return unflatten(_split_inert(flat, {} if inert is None else inert))
+def _canonical_tree(flat: dict[str, Any], inert: dict[str, str]) -> dict[str, Any]:
+    """verl spellings mapped onto ours; keys without effect here go into `inert` instead."""
+    return unflatten(_split_inert(flat, inert))
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
