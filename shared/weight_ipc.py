@@ -28,6 +28,7 @@ from rlbus.weight_sync import (
     bucket_layout,
     checksums_match,
     dtype_to_str,
+    next_matching,
     unflatten_bucket,
 )
 
@@ -116,6 +117,7 @@ class IpcWeightSender:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._buffer: torch.Tensor | None = None
         self._handle: dict[str, Any] | None = None
+        self._metas: list[TensorMeta] | None = None  # the buffer's layout, fixed by the first fill
         self.last_fill_seconds = 0.0
 
     @property
@@ -146,16 +148,32 @@ class IpcWeightSender:
 
     def fill(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], float]:
         """Copy the tensors into the shared buffer (aligned layout of rlbus.weight_sync.bucket_layout) and
-        return their metas and fp64 checksum. Call only when no replica is reading (every ack is in)."""
+        return their metas and fp64 checksum. Call only when no replica is reading (every ack is in).
+
+        The first fill takes the tensors in one list (their sizes decide the buffer's); later fills stream
+        them one at a time into the layout already made, so no second copy of the model is ever held."""
         import time
 
         t0 = time.perf_counter()
-        items = [(name, t.detach()) for name, t in named_tensors]
-        metas = [TensorMeta(name, dtype_to_str(t.dtype), list(t.shape)) for name, t in items]
-        _, total = bucket_layout(metas)
-        buffer = self._ensure(max(total, 1))
         with torch.cuda.device(self.device):
-            _flatten_into([t.to(self.device, non_blocking=True) for _, t in items], buffer)
+            if self._metas is None:
+                items = [(name, t.detach()) for name, t in named_tensors]
+                metas = [TensorMeta(name, dtype_to_str(t.dtype), list(t.shape)) for name, t in items]
+                buffer = self._ensure(max(bucket_layout(metas)[1], 1))
+                _flatten_into([t.to(self.device, non_blocking=True) for _, t in items], buffer)
+                del items
+                self._metas = metas
+            else:
+                metas, buffer = self._metas, self._buffer
+                assert buffer is not None
+                offsets, _ = bucket_layout(metas)
+                iterator = iter(named_tensors)
+                for meta, offset in zip(metas, offsets, strict=True):
+                    _flatten_into(
+                        [next_matching(iterator, meta).to(self.device, non_blocking=True)], buffer[offset:]
+                    )
+                if next(iterator, None) is not None:
+                    raise WeightSyncError(f"more tensors than the shared buffer's {len(metas)}")
             checksum, _ = device_checksum(dtype_runs(buffer, metas))
             torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before anyone is told
         self.last_fill_seconds = time.perf_counter() - t0
@@ -164,6 +182,7 @@ class IpcWeightSender:
     def close(self) -> None:
         self._buffer = None
         self._handle = None
+        self._metas = None
 
 
 class IpcWeightReceiver:

@@ -788,6 +788,18 @@ class SendPlan:
 # ----------------------------------------------------------------------------------------------- sender
 
 
+def next_matching(iterator: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) -> torch.Tensor:
+    """The iterator's next tensor, which must be the one `meta` describes (name, dtype, shape)."""
+    item = next(iterator, None)
+    if item is None:
+        raise WeightSyncError(f"the tensors ran out before {meta.name!r}")
+    name, tensor = item
+    got = (name, dtype_to_str(tensor.dtype), list(tensor.shape))
+    if got != (meta.name, meta.dtype, list(meta.shape)):
+        raise WeightSyncError(f"tensor {got} does not match the plan's {(meta.name, meta.dtype, meta.shape)}")
+    return tensor
+
+
 class WeightSender:
     """Rank 0 of the weight group: plans, opens an epoch's group, streams buckets to all replicas."""
 
@@ -954,19 +966,7 @@ class WeightSender:
     def _take(
         iterator: Iterator[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]
     ) -> list[torch.Tensor]:
-        tensors = []
-        for meta in metas:
-            item = next(iterator, None)
-            if item is None:
-                raise WeightSyncError(f"the tensors ran out before {meta.name!r}")
-            name, tensor = item
-            got = (name, dtype_to_str(tensor.dtype), list(tensor.shape))
-            if got != (meta.name, meta.dtype, list(meta.shape)):
-                raise WeightSyncError(
-                    f"tensor {got} does not match the plan's {(meta.name, meta.dtype, meta.shape)}"
-                )
-            tensors.append(tensor)
-        return tensors
+        return [next_matching(iterator, meta) for meta in metas]
 
     def close(self) -> None:
         """Close the group (receivers' pending broadcasts fail at once) and free the packing buffers."""

@@ -241,16 +241,13 @@ class WeightPusher:
                 device=self.device if backend == "nccl" else None,
             )
             self.members = None
-        plan = self.sender.plan(named_weights()) if group and self.sender else None
-        if not ipc:
-            assert plan is not None
-            return plan, None
-        if self.ipc is None:
-            self.ipc = IpcWeightSender(self.device)
-        metas, checksum = self.ipc.fill(named_weights())
-        if plan is None:
-            plan = SendPlan(metas, plan_buckets(metas, self.bucket_bytes), checksum)
-        return plan, self.ipc.handle
+        if ipc:  # one pass fills the shared buffer and gives the plan the torch group (if any) sends by
+            if self.ipc is None:
+                self.ipc = IpcWeightSender(self.device)
+            metas, checksum = self.ipc.fill(named_weights())
+            return SendPlan(metas, plan_buckets(metas, self.bucket_bytes), checksum), self.ipc.handle
+        assert self.sender is not None
+        return self.sender.plan(named_weights()), None
 
     async def _send_group(self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool) -> str:
         assert self.sender is not None
