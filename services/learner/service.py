@@ -206,7 +206,7 @@ class Learner:
         """Replicas may hold other weights (the crashed attempt pushed after the checkpoint, or an earlier
         run's): push ours at once, at our version, so every replica generates with exactly them."""
         self._forced_push_at = time.monotonic()
-        self.pusher.members = None  # a new group epoch: a replica skips an (epoch, version) it already took
+        self.pusher.transports = None  # a new group epoch: a replica skips an (epoch, version) it already took
         ok = await self.pusher.push(self._named_weights, self.version)
         self.ctx.log.info("weights pushed to overwrite other attempts'" if ok else "overwrite push failed; will retry",
                           version=self.version, reason=reason)

@@ -78,7 +78,7 @@ class WeightPusher:
         self.sender: WeightSender | None = None
         self.ipc: IpcWeightSender | None = None
         self.epoch = 0
-        self.members: dict[str, int] | None = None  # replica id -> rank of the open group (or IPC: 0)
+        self.ranks: dict[str, int] = {}  # replica id -> rank, of the open torch group
         self.pushed_version = 0
         self.last_seconds = 0.0
         self.last_bytes = 0
@@ -86,7 +86,8 @@ class WeightPusher:
         self.port = 0
         self.streaks: dict[str, tuple[str, int]] = {}  # path (group | ipc) -> (failure kind, times in a row)
         self.refused: dict[str, str] = {}  # replica id -> why its placement cannot work
-        self.transports: dict[str, Transport] = {}
+        # replica id -> transport of the last good push; None = the next push forms a new epoch
+        self.transports: dict[str, Transport] | None = None
         self._acks: asyncio.Queue[WeightAck] = asyncio.Queue()
         self._acks_due: tuple[int, int, set[str]] | None = (
             None  # (version, epoch, replicas) of the last IPC push
@@ -146,7 +147,7 @@ class WeightPusher:
         live = await self.live_replicas()
         transports = self._assign(live)
         if not transports:
-            self.members, self.transports = {}, {}
+            self.transports, self.ranks = {}, {}
             self.pushed_version = version
             return True
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
@@ -162,13 +163,10 @@ class WeightPusher:
                 self._prepare, named_weights, bool(group_ids), bool(ipc_ids), backend
             )
         except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
-            self.members = None
+            self.transports = None
             return self._failed(version, f"preparing the push: {exc}", "group")
-        reform = (
-            self.members is None
-            or self.transports != transports
-            or set(transports) != set(self.members)
-            or (bool(group_ids) and (self.sender is None or not self.sender.is_open))
+        reform = self.transports != transports or (
+            bool(group_ids) and (self.sender is None or not self.sender.is_open)
         )
         new_group = bool(group_ids) and reform
         if reform:
@@ -180,11 +178,10 @@ class WeightPusher:
             try:
                 world, port = nxt, (free_port(self.host) if group_ids else 0)
             except OSError as exc:
-                self.members = None
+                self.transports = None
                 return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
         else:
-            assert self.members is not None
-            ranks = {r: self.members[r] for r in group_ids}
+            ranks = self.ranks
             world, port = 1 + sum(live[r].ranks for r in group_ids), self.port
         ann = WeightAnnouncement(
             run_id=self.ctx.cfg.run.id,
@@ -207,11 +204,10 @@ class WeightPusher:
         if group_ids:
             error = await self._send_group(named_weights, plan, port, world, new_group)
             if error:
-                self.members = None
+                self.transports = None
                 return self._failed(version, error, "group")
             self.streaks.pop("group", None)
-        self.members = {**ranks, **dict.fromkeys(ipc_ids, 0)}
-        self.transports = transports
+        self.transports, self.ranks = transports, ranks
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
@@ -240,7 +236,7 @@ class WeightPusher:
                 bucket_bytes=self.bucket_bytes,
                 device=self.device if backend == "nccl" else None,
             )
-            self.members = None
+            self.transports = None
         if ipc:  # one pass fills the shared buffer and gives the plan the torch group (if any) sends by
             if self.ipc is None:
                 self.ipc = IpcWeightSender(self.device)
@@ -272,7 +268,7 @@ class WeightPusher:
         self._acks_due = None
         error = await self._wait_acks(waiting, version, epoch)
         if error:
-            self.members = None
+            self.transports = None
             self._failed(version, error, "ipc")
         else:
             self.streaks.pop("ipc", None)
@@ -324,10 +320,10 @@ class WeightPusher:
     async def maintain(self, named_weights, version: int) -> None:
         """Called while waiting for data: serve late joiners and retry failed pushes."""
         live = set(self._assign(await self.live_replicas()))
-        members = set(self.members or {})
+        members = set(self.transports or {})
         if version == 0:
             # Everyone starts from the same checkpoint on disk: nothing to send yet.
-            self.members = self.members if members == live else None
+            self.transports = self.transports if members == live else None
             return
         if self.pushed_version < version or members != live:
             await self.push(named_weights, version)
