@@ -104,6 +104,15 @@ def group_backend(transports: Iterable[Transport]) -> Literal["nccl", "gloo"] | 
     return "nccl" if kinds == {"nccl"} else "gloo"
 
 
+def require_cuda(choice: Choice, side: str, kind: str) -> None:
+    """`nccl` and `cuda_ipc` move CUDA tensors: a side (the config key `side`) on `kind` cpu cannot take part."""
+    if choice in ("nccl", "cuda_ipc") and kind != "cuda":
+        raise PlacementError(
+            f"{KEY}={choice} needs CUDA on both sides, but {side} resolves to cpu: set {KEY}=auto or gloo, "
+            f"or put {side} on a GPU"
+        )
+
+
 def check_config_placement(choice: Choice, learner_device: str, rollout_device: str, gpus: int) -> None:
     """Start-up check of what the config alone decides (devices 'auto' | 'cpu' | 'cuda[:i]', visible GPUs).
 
@@ -116,13 +125,8 @@ def check_config_placement(choice: Choice, learner_device: str, rollout_device: 
             return "cuda" if gpus > 0 else "cpu"
         return "cuda" if dev.startswith("cuda") else "cpu"
 
-    lk, rk = kind(learner_device), kind(rollout_device)
-    if choice in ("nccl", "cuda_ipc") and "cpu" in (lk, rk):
-        side = "trainer.device" if lk == "cpu" else "rollout.device"
-        raise PlacementError(
-            f"{KEY}={choice} needs CUDA on both sides, but {side} resolves to cpu: set {KEY}=auto or gloo, "
-            f"or put {side} on a GPU"
-        )
+    require_cuda(choice, "trainer.device", kind(learner_device))
+    require_cuda(choice, "rollout.device", kind(rollout_device))
     if choice == "nccl" and gpus == 1:
         raise PlacementError(
             f"{KEY}=nccl with one visible GPU puts the learner and the rollout on the same GPU, and NCCL refuses "

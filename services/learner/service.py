@@ -119,11 +119,9 @@ class Learner:
         self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.total_steps = total_steps(cfg, len(records))
         device = pick_device(cfg.trainer.device)
-        if cfg.trainer.weight_sync_backend in ("nccl", "cuda_ipc") and device.type != "cuda":
-            from rlbus.weight_transport import KEY, PlacementError
+        from rlbus.weight_transport import require_cuda
 
-            raise PlacementError(f"{KEY}={cfg.trainer.weight_sync_backend} needs the learner on a GPU, but "
-                                 f"trainer.device resolves to {device}: set {KEY}=auto or gloo")
+        require_cuda(cfg.trainer.weight_sync_backend, "trainer.device", device.type)  # compose/k8s: no launcher check
         self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
         self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
         self.dispatcher.id_tag = f"a{self.attempt}-" if self.attempt else ""
