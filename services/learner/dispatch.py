@@ -96,6 +96,13 @@ class Dispatcher:
             return again.next()
         return self.loader.next()
 
+    def _prompt_ids(self, text: str) -> list[int]:
+        """Token ids within data.max_prompt_length by data.truncation. Files were checked at start
+        (rlbus.learner.data.prepare_prompts), so `error` only meets synthetic prompts: they keep their end."""
+        mode = self.cfg.data.truncation
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return truncate_prompt(ids, self.cfg.data.max_prompt_length, "left" if mode == "error" else mode)
+
     @property
     def target_in_flight(self) -> int:
         return (self.cfg.trainer.async_level + 1) * self.cfg.data.train_batch_size
@@ -107,10 +114,7 @@ class Dispatcher:
         sent = 0
         while self.ledger.in_flight < self.target_in_flight and (limit is None or sent < limit):
             item = self._next_item()
-            prompt_ids = self.tokenizer(item.prompt, add_special_tokens=False)["input_ids"]
-            mode = self.cfg.data.truncation
-            # files were checked at start (rlbus.learner.data.prepare_prompts); synthetic prompts keep their end
-            prompt_ids = truncate_prompt(prompt_ids, self.cfg.data.max_prompt_length, "left" if mode == "error" else mode)
+            prompt_ids = self._prompt_ids(item.prompt)
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}"
             sampling = self.sampling  # unseeded: replicas batch it with other work
             if self.cfg.rollout.seed_per_prompt:
@@ -132,7 +136,7 @@ class Dispatcher:
         greedy = self.sampling.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
         pending: dict[str, int] = {}
         for i, (prompt, meta) in enumerate(records):
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"][-self.cfg.data.max_prompt_length :]
+            prompt_ids = self._prompt_ids(prompt)
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}"
             work = PromptWork(
                 run_id=self.cfg.run.id, prompt_id=prompt_id, index=i, step=step, min_policy_version=version,
