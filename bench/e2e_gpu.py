@@ -36,32 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_model(out_dir: Path, hidden: int, layers: int, intermediate: int) -> Path:
-    """A random Qwen2 of the given shape (head_dim 64, GQA 7:1 like Qwen2-0.5B) on the tiny tokenizer."""
-    import torch
-    from transformers import Qwen2ForCausalLM
+    """A random Qwen2 of the given shape (head_dim 64, GQA 7:1 like Qwen2-0.5B) on the tiny tokenizer, with
+    room for the prompt and 128-token responses."""
+    from rlbus.tiny_model import build_random_qwen2
 
-    from rlbus.tiny_model import build_tokenizer, make_config
-
-    heads = max(1, hidden // 64)
-    kv_heads = 2 if heads % 2 == 0 else 1
-    tok = build_tokenizer(out_dir)
-    config = make_config(
-        tok,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=64,
-        intermediate_size=intermediate,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(str(out_dir))
-    print(
-        f"model: random Qwen2 {hidden}x{layers} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-        f"parameters) in {out_dir}",
-        flush=True,
-    )
+    kv_heads = 2 if max(1, hidden // 64) % 2 == 0 else 1
+    out_dir, params = build_random_qwen2(out_dir, hidden, layers, kv_heads, intermediate, max_positions=4096)
+    print(f"model: random Qwen2 {hidden}x{layers} ({params / 1e6:.0f}M parameters) in {out_dir}", flush=True)
     return out_dir
 
 

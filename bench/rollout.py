@@ -94,23 +94,19 @@ def bench_push(engine: Any, model_dir: Path, pushes: int) -> dict[str, float]:
 
 
 def build_random_model(spec: str, out_dir: Path) -> Path:
-    """A random-weight Qwen2 of `HIDDEN:LAYERS` (head_dim 64) on the tiny character tokenizer, built
-    locally, so engine overheads can be compared on a model where compute, not bookkeeping, dominates."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    from rlbus.tiny_model import build_tokenizer, make_config
+    """A random-weight Qwen2 of `HIDDEN:LAYERS` (head_dim 64, GQA 4:1 where the heads allow) on the tiny
+    character tokenizer, built locally."""
+    from rlbus.tiny_model import build_random_qwen2
 
     hidden, layers = (int(x) for x in spec.split(":"))
     heads = max(1, hidden // 64)
-    tok = build_tokenizer(out_dir)
-    config = make_config(tok, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=max(1, heads // 4) if heads % 4 == 0 else heads, head_dim=64,
-                         intermediate_size=(hidden * 8 // 3 + 63) // 64 * 64)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(str(out_dir))
-    params = sum(p.numel() for p in model.parameters())
+    out_dir, params = build_random_qwen2(
+        out_dir,
+        hidden,
+        layers,
+        kv_heads=max(1, heads // 4) if heads % 4 == 0 else heads,
+        intermediate=(hidden * 8 // 3 + 63) // 64 * 64,
+    )
     print(f"random model {spec}: {params / 1e6:.1f}M parameters in {out_dir}", flush=True)
     return out_dir
 
@@ -125,8 +121,9 @@ def bench_engine(
     if name == "hf":
         from rlbus.rollout.engines.hf import HFEngine
 
-        engine: Any = HFEngine(model_dir, dtype=args.dtype, device=args.device, seed=0,
-                               max_batch_rows=args.max_num_seqs)
+        engine: Any = HFEngine(
+            model_dir, dtype=args.dtype, device=args.device, seed=0, max_batch_rows=args.max_num_seqs
+        )
     else:
         from rlbus.rollout.engines.vllm_engine import VLLMEngine
 
@@ -192,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", type=Path, default=None, help="HF model directory (default: the bundled tiny model)"
     )
-    parser.add_argument("--random-model", default=None, metavar="HIDDEN:LAYERS",
-                        help="build a random-weight Qwen2 of this shape instead of using --model")
+    parser.add_argument(
+        "--random-model",
+        default=None,
+        metavar="HIDDEN:LAYERS",
+        help="build a random-weight Qwen2 of this shape instead of using --model",
+    )
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
