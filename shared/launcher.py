@@ -14,10 +14,10 @@ from pathlib import Path
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import progress_line, read_metrics
-from rlbus.notices import read_notices
+from rlbus.notices import NOTICES_FILE, read_notices
+from rlbus.service import EXIT_REFUSED
 
 log = get_logger("launcher")
-EXIT_REFUSED = 2  # a service exits so when its configuration cannot work (it says why in notices.jsonl)
 
 
 def run_dir_of(cfg: RlbusConfig) -> Path:
@@ -143,7 +143,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     refused = check_loggers(cfg) or check_placement(cfg, gpus)
     if refused:
         print(f"rlbus: refused: {refused}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_REFUSED
     from rlbus.config.warnings import inert_key_warnings
 
     for warning in inert_key_warnings(cfg):
@@ -164,7 +164,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     learner = procs[-1]
     refused = None
     shown = 0
-    notices_file = run_dir / "notices.jsonl"
+    notices_file = run_dir / NOTICES_FILE
     notices_at = notices_file.stat().st_size if notices_file.exists() else 0  # a resume's old notices are said
     said: set[str] = set()
 

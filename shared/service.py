@@ -17,6 +17,7 @@ from rlbus.config import RlbusConfig
 from rlbus.logs import get_logger, setup_logging
 from rlbus.messages import Heartbeat
 
+EXIT_REFUSED = 2  # a service's configuration cannot work: supervisors must not restart it (rlbus up stops)
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_STATUS_POLL_S = 0.25  # how soon a status change goes out
 

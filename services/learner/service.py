@@ -14,7 +14,7 @@ import numpy as np
 from rlbus.config import RlbusConfig
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.messages import ReadyGroup, encode
-from rlbus.service import ServiceContext
+from rlbus.service import EXIT_REFUSED, ServiceContext
 
 WAIT_LOG_EVERY_S = 10.0
 KEEPALIVE_EVERY_S = 10.0
@@ -460,7 +460,7 @@ async def learner_loop(ctx: ServiceContext) -> int:
     except (PlacementError, DataError) as exc:
         ctx.log.error("refused at start", reason=str(exc))
         post_notice(ctx.run_dir, "learner", f"refused: {exc}")
-        return 2
+        return EXIT_REFUSED
     try:
         return await learner.run()
     except LearnerStalled as exc:

@@ -7,10 +7,9 @@ import time
 
 from rlbus.config import RlbusConfig
 from rlbus.messages import ReadyGroup, ScoredGroup, TrajectoryGroup
-from rlbus.service import ServiceContext, run_service
+from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
 
 FETCH_BATCH = 16
-EXIT_REFUSED = 2  # the configuration cannot work: a supervisor must not restart us (rlbus up stops the run)
 
 
 def score_group(scorer, group: TrajectoryGroup, on_error: float) -> ScoredGroup:
