@@ -50,8 +50,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = ["plain", "rlbus", "rlbus+pack", "rlbus+gc", "plain/var", "rlbus/var", "rlbus+pack/var"]
-ALL_CONFIGS = [*DEFAULT_CONFIGS, "rlbus+fsdp", "rlbus+lora", "rlbus+offload"]
+DEFAULT_CONFIGS = ["plain", "plain-bf16", "rlbus", "rlbus+nofuse", "rlbus+pack", "rlbus+gc", "plain-bf16/var",
+                   "rlbus/var", "rlbus+pack/var"]
+ALL_CONFIGS = [*DEFAULT_CONFIGS, "plain/var", "rlbus+liger", "rlbus+compile", "rlbus+liger+compile", "rlbus+fsdp",
+               "rlbus+lora", "rlbus+offload", "rlbus+pack+liger+compile", "rlbus+pack+liger+compile/var"]
+# What each name part adds to the rlbus config (several combine: rlbus+pack+liger).
+SUFFIX_OVERRIDES = {
+    "+pack": ["model.use_remove_padding=true"],
+    "+gc": ["model.enable_gradient_checkpointing=true"],
+    "+lora": ["model.lora_rank=16", "model.lora_alpha=32"],
+    "+offload": ["actor.param_offload=true"],
+    "+nofuse": ["model.use_fused_kernels=false"],
+    "+liger": ["model.use_liger=true"],
+    "+compile": ["actor.use_torch_compile=true"],
+}
 
 
 def bootstrap_rlbus(force: bool = False) -> str:
@@ -152,18 +164,16 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     from rlbus.learner import parallel
     from rlbus.learner.trainer import PolicyTrainer
 
-    packed, gc_on = "+pack" in name, "+gc" in name
+    packed = "+pack" in name
     overrides = [
         f"model.path={model_dir}", f"model.dtype={args.dtype}", f"trainer.device={args.device}",
         f"actor.ppo_micro_batch_size={args.micro}", "actor.ppo_mini_batch_size=0", "actor.ppo_epochs=1",
         "actor.optim.lr=1e-6", f"data.max_response_length={args.seq_len}",
-        f"model.use_remove_padding={str(packed).lower()}", f"model.enable_gradient_checkpointing={str(gc_on).lower()}",
         f"actor.ppo_max_token_len_per_gpu={args.micro * args.seq_len}",
     ]
-    if "+lora" in name:
-        overrides += ["model.lora_rank=16", "model.lora_alpha=32"]
-    if "+offload" in name:
-        overrides += ["actor.param_offload=true"]
+    for suffix, extra in SUFFIX_OVERRIDES.items():
+        if suffix in name:
+            overrides += extra
     cfg = load_config(None, overrides)
     if "+fsdp" in name:
         os.environ["RLBUS_FSDP"] = "1"  # FSDP2 even on one GPU (a world of one): what N ranks each run
@@ -197,18 +207,22 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     return out
 
 
-def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace) -> dict[str, Any]:
+def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """``plain``: fp32 weights under bf16 autocast, loss on the response tokens. ``plain-bf16``: the loop a
+    user writes by hand: the model held in bf16, fused AdamW, the model's own loss over the whole sequence."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dev = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    bf16 = name.startswith("plain-bf16")
+    dtype = torch.bfloat16 if bf16 and args.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.to(dev).train()
     if args.plain_gc:
         model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev.type == "cuda")
     micro = args.micro
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16" and not bf16)
     n_micro = math.ceil(batch.size / micro)
     loss_box: list[float] = []
 
@@ -219,9 +233,10 @@ def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace) -> dict[str
             width = int(mb.attention_mask.sum(-1).max())
             ids = mb.input_ids[:, :width].to(dev)
             mask = mb.attention_mask[:, :width].to(dev)
-            labels = ids.clone()
-            labels[:, 1:][mb.response_mask[:, : width - 1].to(dev) == 0] = -100  # train on response tokens
-            labels[:, 0] = -100
+            labels = ids.masked_fill(mask == 0, -100)
+            if not bf16:  # train on the response tokens only
+                labels[:, 1:][mb.response_mask[:, : width - 1].to(dev) == 0] = -100
+                labels[:, 0] = -100
             with amp:
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss / n_micro
             loss.backward()
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (packed: micro x seq-len tokens)")
+    p.add_argument("--micro", type=int, default=8, help="sequences per micro-batch (packed: micro x seq-len tokens)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--group", type=int, default=4, help="GRPO group size")
     p.add_argument("--layers", type=int, default=24)
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             try:
                 if name.startswith("plain"):
-                    res = run_plain(model_dir, batch, args)
+                    res = run_plain(model_dir, batch, args, name)
                 else:
                     res = run_rlbus(model_dir, batch, args, name)
             except Exception as exc:  # one failing config must not lose the others' numbers
@@ -326,14 +341,14 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) 
     print(f"\nseq_len {args.seq_len}, batch {args.batch} sequences, micro-batch {args.micro}, {args.dtype}, "
           f"{config.num_hidden_layers} layers x hidden {config.hidden_size}, vocab {config.vocab_size}")
     header = f"{'config':16s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} " \
-             f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs plain':>8s}"
+             f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs bf16':>8s}"
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         if "error" in r:
             print(f"{name:16s} ERROR {r['error']}")
             continue
-        base = results.get("plain/var" if name.endswith("/var") else "plain", {})
+        base = results.get("plain-bf16/var" if name.endswith("/var") else "plain-bf16", {})
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else float("nan")
         pad = 1 - r["tokens"] / r["padded_tokens"]
         print(f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "

@@ -26,6 +26,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rlbus.chunked_logprobs import DEFAULT_CHUNK_TOKENS, logprob_head, supports_chunked_head
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -141,16 +143,26 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each next token, [B, L-1] float32 (differentiable when the model is).
 
     With return_entropy, also the entropy of each position's tempered distribution, [B, L-1].
+    ``chunk_tokens`` > 0 (and a plain linear output layer): the output projection and softmax run that many
+    tokens at a time, so no ``tokens x vocab`` fp32 logits exist (rlbus.chunked_logprobs); 0: full logits.
     """
     temp = effective_temperature(temperature)
+    if chunk_tokens > 0 and supports_chunked_head(model):
+        with logprob_head(model, input_ids, temp, chunk_tokens):
+            out = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
+        logprobs, entropy = out.logits.unbind(-1)
+        return (logprobs, entropy) if return_entropy else logprobs
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )

@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlbus.logs import get_logger
+
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
     from rlbus.learner.batch import TrainBatch
@@ -64,6 +66,7 @@ _MAGIC = 0x524C4255_534C4541  # "RLBUSLEA"
 DEFAULT_TIMEOUT_S = 3600.0
 
 _WORKER_OPS: dict[str, Callable[..., Any]] = {}
+log = get_logger("rlbus.learner.parallel")
 
 
 def register_worker_op(name: str, fn: Callable[..., Any]) -> None:
@@ -409,6 +412,11 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         model_path, "float32" if mixed else mcfg.dtype, "cpu" if fsdp else ctx.device, trainable=True,
         attn_implementation=attn, trust_remote_code=mcfg.trust_remote_code,
     )
+    if mcfg.use_liger:
+        apply_liger(model)
+    if cfg.actor.use_torch_compile:
+        for layer in decoder_layers(model):  # one compiled graph, reused by every (identical) block
+            layer.compile()
     if mcfg.enable_gradient_checkpointing:
         # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -419,6 +427,24 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     elif mixed:  # one GPU: the same numerics without FSDP's per-layer hooks (fp32 master, bf16 compute)
         model._rlbus_autocast = torch_dtype(mcfg.dtype)
     return model
+
+
+def apply_liger(model: nn.Module) -> None:
+    """Liger's fused RMSNorm, SwiGLU and RoPE kernels in place (its fused losses stay off: the log-probs come
+    from rlbus.chunked_logprobs). A model type Liger does not know is left as it is, with a warning."""
+    try:
+        from liger_kernel.transformers.monkey_patch import (
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as exc:
+        raise RuntimeError(f"model.use_liger=true needs the liger-kernel package: {exc}") from exc
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        log.warning("model.use_liger: Liger has no kernels for this model type; left unchanged", model_type=model_type)
+        return
+    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: int, target_modules: list[str] | str, seed: int) -> nn.Module:
@@ -667,7 +693,7 @@ def reduce_stats(ctx: DistContext, mean_sums: dict[str, float], *sum_dicts: dict
 
 
 def forward_logprobs(
-    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool
+    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
@@ -679,12 +705,12 @@ def forward_logprobs(
     amp = getattr(model, "_rlbus_autocast", None)
     if amp is not None:
         with torch.autocast(device.type, dtype=amp):
-            return _forward_logprobs(model, mb, device, packed, entropy)
-    return _forward_logprobs(model, mb, device, packed, entropy)
+            return _forward_logprobs(model, mb, device, packed, entropy, chunk)
+    return _forward_logprobs(model, mb, device, packed, entropy, chunk)
 
 
 def _forward_logprobs(
-    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool
+    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from rlbus.modeling import token_logprobs
 
@@ -693,7 +719,8 @@ def _forward_logprobs(
     if not packed:
         w = max(int(lengths.max()), 2)
         out = token_logprobs(model, mb.input_ids[:, :w].to(device), mb.attention_mask[:, :w].to(device),
-                             mb.position_ids[:, :w].to(device), mb.temperature, return_entropy=entropy)
+                             mb.position_ids[:, :w].to(device), mb.temperature, return_entropy=entropy,
+                             chunk_tokens=chunk)
         lp, ent = out if entropy else (out, None)
         pad = width - w
         if pad:
@@ -703,7 +730,8 @@ def _forward_logprobs(
     keep = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L] real tokens (right padded)
     ids = mb.input_ids[keep].unsqueeze(0)
     pos = mb.position_ids[keep].unsqueeze(0)
-    out = token_logprobs(model, ids.to(device), None, pos.to(device), mb.temperature, return_entropy=entropy)
+    out = token_logprobs(model, ids.to(device), None, pos.to(device), mb.temperature, return_entropy=entropy,
+                         chunk_tokens=chunk)
     lp_p, ent_p = out if entropy else (out, None)
     # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
     offsets = torch.cumsum(lengths, 0) - lengths

@@ -75,7 +75,8 @@ class PolicyTrainer:
             lambda: parallel.full_state_items(self.model, torch_dtype(self.cfg.model.dtype)))
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return parallel.forward_logprobs(self.model, mb, self.device, self.cfg.model.use_remove_padding, entropy)
+        return parallel.forward_logprobs(self.model, mb, self.device, self.cfg.model.use_remove_padding, entropy,
+                                         self.cfg.model.logprob_chunk)
 
     def _micro_batches(self, batch: TrainBatch) -> list[parallel.MicroBatch]:
         """This rank's micro-batches (its share under data parallelism; token-bounded when packing)."""

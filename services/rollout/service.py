@@ -72,8 +72,11 @@ class Replica:
             self.last_announcement = key
             t0 = time.perf_counter()
             try:
-                async with self.lock:
+                if self.engine.receives_while_generating:  # the learner's push need not wait for a batch
                     await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
+                else:
+                    async with self.lock:
+                        await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
             except Exception as exc:  # the learner notices too, and re-forms the group
                 self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc))
                 continue

@@ -63,7 +63,6 @@ VERL_INERT: dict[str, str] = {
     "actor.strategy": "the learner always uses FSDP2 (one rank: a plain module)",
     "actor.fsdp_config.": "FSDP2 wraps every decoder layer over all learner ranks (wrap_policy, fsdp_size, ...)",
     "actor.ulysses_sequence_parallel_size": "no sequence parallelism",
-    "actor.use_torch_compile": "the learner decides compilation itself",
     "critic.ppo_micro_batch_size_per_gpu": "the critic trains on the actor's micro-batches",
     "critic.ppo_micro_batch_size": "the critic trains on the actor's micro-batches",
     "critic.ppo_mini_batch_size": "the critic trains on the actor's mini-batches",

@@ -71,6 +71,17 @@ class ModelConfig(Section):
     lora_alpha: int = Field(16, ge=1)
     target_modules: list[str] | str = "all-linear"
     trust_remote_code: bool = False
+    use_fused_kernels: bool = Field(
+        True, description="log-probs and entropies from chunks of the output projection (never full-vocabulary "
+        "fp32 logits); false = the plain full-logits path")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the fused log-prob path")
+    use_liger: bool = Field(False, description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the learner "
+                            "(CUDA; needs liger-kernel)")
+
+    @property
+    def logprob_chunk(self) -> int:
+        """What `token_logprobs` takes: the chunk size, or 0 for full logits."""
+        return self.logprob_chunk_tokens if self.use_fused_kernels else 0
 
 
 class RolloutConfig(Section):
@@ -174,6 +185,7 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(0, ge=0, description="prompts per optimizer step; 0 = the whole batch")
     ppo_micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
     ppo_epochs: int = Field(1, ge=1)
+    use_torch_compile: bool = Field(False, description="torch.compile each decoder layer of the policy")
     clip_ratio: float = Field(0.2, gt=0.0)
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None

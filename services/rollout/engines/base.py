@@ -57,6 +57,12 @@ class RolloutEngine(ABC):
         return "cpu"
 
     @property
+    def receives_while_generating(self) -> bool:
+        """Whether `receive_weights` may run while `generate` does (the engine guards its own swap). Else
+        the replica holds generation off for the whole receive, and a push waits for the batch in flight."""
+        return False
+
+    @property
     def supports_ipc(self) -> bool:
         """Whether `take_ipc_weights`/`load_received` work here (the engine shares the learner's process
         model: weights in this process's CUDA memory)."""

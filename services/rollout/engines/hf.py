@@ -330,6 +330,10 @@ class HFEngine(RolloutEngine):
         return str(self.device)
 
     @property
+    def receives_while_generating(self) -> bool:
+        return True  # the bytes arrive beside generation; load_weights takes the engine lock for the copy
+
+    @property
     def supports_ipc(self) -> bool:
         return self.device.type == "cuda"
 

@@ -1,0 +1,159 @@
+"""Token log-probs and entropies straight from the last hidden states, a chunk of tokens at a time.
+
+The plain way (``model(...).logits.float().log_softmax(-1)``) materialises ``tokens x vocab`` logits in the
+compute dtype, then again in fp32, then their softmax: at Qwen2's 151,936-entry vocabulary a 16k-token
+micro-batch holds about 10 GB per copy, and reading and writing them dominates the step. Here the output
+projection runs on ``chunk`` rows at a time and only four numbers per token survive the forward (log-prob,
+entropy, log-sum-exp, target); the backward recomputes each chunk's logits instead of keeping them
+(verl's fused ``linear_cross_entropy`` and Liger's fused linear losses do the same in Triton). Liger's
+kernels compute the gradient inside the forward for a scalar loss of their own; the PPO loss needs the
+per-token log-probs first, so this is a plain autograd function and the loss math stays ours.
+
+The numbers are the plain way's: ``logits = (h @ W.T)`` in the hidden states' dtype (what ``torch.autocast``
+or a bf16 model computes), then fp32, divided by the temperature, log-softmax over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+# Model configs whose logits are not a plain linear map of the last hidden state: these keep the full path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _chunk_stats(z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-prob of target, entropy, log-sum-exp) per row of tempered fp32 logits ``z``."""
+    lse = torch.logsumexp(z, dim=-1)
+    p = (z - lse.unsqueeze(-1)).exp_()
+    entropy = lse - (p * z).sum(-1)
+    logprob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logprob, entropy, lse
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """``(hidden [N, H], weight [V, H], targets [N]) -> (log-probs [N], entropies [N])``, fp32.
+
+    d logprob / d z = onehot(target) - p and d entropy / d z = -p (z - E_p[z]) with z = logits / T, so
+    the gradient of a chunk needs only its recomputed logits, its log-sum-exp and its entropy. The matrix
+    products run in ``compute_dtype`` (autocast's, else the hidden states'), forward and backward alike.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, compute_dtype):  # type: ignore[override]
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        lse = torch.empty_like(logprobs)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                z = _tempered_logits(hidden[s:e].to(compute_dtype), w, temperature)
+                logprobs[s:e], entropy[s:e], lse[s:e] = _chunk_stats(z, targets[s:e])
+                del z
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):  # type: ignore[override]
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk, dtype = ctx.temperature, ctx.chunk, ctx.compute_dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
+        g_ent = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
+        mean_z = lse - entropy  # E_p[z]
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                h = hidden[s:e].to(dtype)
+                z = _tempered_logits(h, w, temperature)
+                p = (z - lse[s:e].unsqueeze(-1)).exp_()
+                # dz = g_lp * (onehot - p) - g_ent * p * (z - E[z]), built in place in z's storage
+                dz = (
+                    z.sub_(mean_z[s:e].unsqueeze(-1))
+                    .mul_(g_ent[s:e].unsqueeze(-1))
+                    .add_(g_lp[s:e].unsqueeze(-1))
+                )
+                dz.mul_(p).neg_()
+                del p
+                dz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g_lp[s:e].unsqueeze(-1))
+                if temperature != 1.0:
+                    dz.div_(temperature)
+                dz = dz.to(dtype)
+                if need_h:
+                    grad_hidden[s:e] = dz @ w
+                if need_w:
+                    if dz.dtype == torch.float32:
+                        grad_weight.addmm_(dz.T, h)
+                    else:
+                        grad_weight.add_(dz.T @ h)
+                del dz, z, h
+        return grad_hidden, grad_weight.to(weight.dtype) if need_w else None, None, None, None, None
+
+
+def _tempered_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = (h @ w.T).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of ``targets`` under ``softmax(hidden @ weight.T / temperature)``; any leading
+    shape of ``hidden [..., H]`` / ``targets [...]`` is kept."""
+    lead = targets.shape
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    lp, ent = ChunkedLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        float(temperature),
+        max(1, int(chunk)),
+        dtype,
+    )
+    return lp.view(lead), ent.view(lead)
+
+
+def supports_chunked_head(model: nn.Module) -> bool:
+    """True when the model's logits are ``lm_head(hidden)``: a bias-free linear layer and no logit transform."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear or head.bias is not None:  # noqa: E721 (a LoRA-wrapped head is not plain)
+        return False
+    config = getattr(model, "config", None)
+    return not any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS)
+
+
+@contextlib.contextmanager
+def logprob_head(model: nn.Module, input_ids: torch.Tensor, temperature: float, chunk: int) -> Iterator[None]:
+    """While active, the model's ``lm_head`` returns ``[B, L-1, 2]`` (log-prob, entropy) of each next token of
+    ``input_ids`` in place of logits. The head still runs inside the model's own forward, so FSDP2's hooks
+    (which gather the root's parameters, the output projection among them) see an ordinary call."""
+    head = model.get_output_embeddings()
+    targets = input_ids[:, 1:]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        lp, ent = chunked_logprobs(hidden[:, :-1], head.weight, targets, temperature, chunk)
+        return torch.stack((lp, ent), dim=-1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
