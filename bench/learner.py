@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = ["plain", "plain-bf16", "rlbus", "rlbus+nofuse", "rlbus+pack", "rlbus+gc", "plain-bf16/var",
-                   "rlbus/var", "rlbus+pack/var"]
-ALL_CONFIGS = [*DEFAULT_CONFIGS, "plain/var", "rlbus+liger", "rlbus+compile", "rlbus+liger+compile", "rlbus+fsdp",
-               "rlbus+lora", "rlbus+offload", "rlbus+pack+liger+compile", "rlbus+pack+liger+compile/var"]
+DEFAULT_CONFIGS = ["plain-bf16", "rlbus", "rlbus+autocast", "rlbus+eager", "rlbus+nofuse", "rlbus+liger",
+                   "rlbus+pack", "rlbus+gc", "plain-bf16/var", "rlbus/var", "rlbus+pack/var"]
+ALL_CONFIGS = [*DEFAULT_CONFIGS, "plain", "plain/var", "rlbus+fsdp", "rlbus+lora", "rlbus+offload",
+               "rlbus+pack+liger", "rlbus+pack+liger/var", "rlbus+liger+autocast"]
 # What each name part adds to the rlbus config (several combine: rlbus+pack+liger).
 SUFFIX_OVERRIDES = {
     "+pack": ["model.use_remove_padding=true"],
@@ -63,6 +63,9 @@ SUFFIX_OVERRIDES = {
     "+nofuse": ["model.use_fused_kernels=false"],
     "+liger": ["model.use_liger=true"],
     "+compile": ["actor.use_torch_compile=true"],
+    "+eager": ["actor.use_torch_compile=false"],
+    "+master": ["actor.master_weights=optimizer"],
+    "+autocast": ["actor.master_weights=model"],
 }
 
 

@@ -16,7 +16,7 @@ or a bf16 model computes), then fp32, divided by the temperature, log-softmax ov
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -27,21 +27,64 @@ DEFAULT_CHUNK_TOKENS = 1024
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _chunk_stats(z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-prob of target, entropy, log-sum-exp) per row of tempered fp32 logits ``z``."""
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-prob of target, entropy, log-sum-exp) per row of one chunk's logits, in fp32."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
-    p = (z - lse.unsqueeze(-1)).exp_()
+    p = torch.exp(z - lse.unsqueeze(-1))
     entropy = lse - (p * z).sum(-1)
     logprob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     return logprob, entropy, lse
 
 
+def chunk_logits_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """d loss / d logits of one chunk, in the logits' dtype: with z = logits / T and p = softmax(z),
+    d logprob / d z = onehot(target) - p and d entropy / d z = -p (z - E_p[z]), E_p[z] = lse - entropy."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = torch.exp(z - lse.unsqueeze(-1))
+    mean_z = (lse - entropy).unsqueeze(-1)
+    dz = -p * (grad_logprob.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (z - mean_z))
+    hit = torch.arange(z.shape[-1], device=z.device).unsqueeze(0) == targets.unsqueeze(-1)
+    dz = torch.where(hit, dz + grad_logprob.unsqueeze(-1), dz)
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(logits.dtype)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _kernel(fn: Callable, device: torch.device) -> Callable:
+    """On CUDA, ``fn`` compiled by inductor into one fused pass over the chunk's logits (the eager version
+    reads and writes fp32 copies of them several times, which cost more than the matrix products); eager
+    elsewhere. Compiled once per process, with dynamic shapes (chunks and micro-batches vary)."""
+    if device.type != "cuda":
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn.__name__]
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """``(hidden [N, H], weight [V, H], targets [N]) -> (log-probs [N], entropies [N])``, fp32.
 
-    d logprob / d z = onehot(target) - p and d entropy / d z = -p (z - E_p[z]) with z = logits / T, so
-    the gradient of a chunk needs only its recomputed logits, its log-sum-exp and its entropy. The matrix
-    products run in ``compute_dtype`` (autocast's, else the hidden states'), forward and backward alike.
+    The gradient of a chunk needs only its recomputed logits, its log-sum-exp and its entropy
+    (`chunk_logits_grad`). The matrix products run in ``compute_dtype`` (autocast's, else the hidden
+    states'), forward and backward alike.
     """
 
     @staticmethod
@@ -50,13 +93,14 @@ class ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
+        stats = _kernel(chunk_stats, hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
-                z = _tempered_logits(hidden[s:e].to(compute_dtype), w, temperature)
-                logprobs[s:e], entropy[s:e], lse[s:e] = _chunk_stats(z, targets[s:e])
-                del z
+                logits = hidden[s:e].to(compute_dtype) @ w.T
+                logprobs[s:e], entropy[s:e], lse[s:e] = stats(logits, targets[s:e], temperature)
+                del logits
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
         return logprobs, entropy
@@ -68,29 +112,18 @@ class ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
-        g_ent = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
-        mean_z = lse - entropy  # E_p[z]
+        g_lp = grad_logprobs.float() if grad_logprobs is not None else torch.zeros_like(lse)
+        g_ent = grad_entropy.float() if grad_entropy is not None else torch.zeros_like(lse)
+        logits_grad = _kernel(chunk_logits_grad, hidden.device)
         n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
                 h = hidden[s:e].to(dtype)
-                z = _tempered_logits(h, w, temperature)
-                p = (z - lse[s:e].unsqueeze(-1)).exp_()
-                # dz = g_lp * (onehot - p) - g_ent * p * (z - E[z]), built in place in z's storage
-                dz = (
-                    z.sub_(mean_z[s:e].unsqueeze(-1))
-                    .mul_(g_ent[s:e].unsqueeze(-1))
-                    .add_(g_lp[s:e].unsqueeze(-1))
+                dz = logits_grad(
+                    h @ w.T, targets[s:e], lse[s:e], entropy[s:e], g_lp[s:e], g_ent[s:e], temperature
                 )
-                dz.mul_(p).neg_()
-                del p
-                dz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g_lp[s:e].unsqueeze(-1))
-                if temperature != 1.0:
-                    dz.div_(temperature)
-                dz = dz.to(dtype)
                 if need_h:
                     grad_hidden[s:e] = dz @ w
                 if need_w:
@@ -98,13 +131,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                         grad_weight.addmm_(dz.T, h)
                     else:
                         grad_weight.add_(dz.T @ h)
-                del dz, z, h
+                del dz, h
         return grad_hidden, grad_weight.to(weight.dtype) if need_w else None, None, None, None, None
-
-
-def _tempered_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (h @ w.T).float()
-    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def chunked_logprobs(

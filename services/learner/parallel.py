@@ -406,7 +406,12 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     mcfg = cfg.model
     offload = cfg.actor.param_offload or cfg.actor.optimizer_offload
     fsdp = ctx.initialized and (ctx.world_size > 1 or offload or os.environ.get("RLBUS_FSDP") == "1")
-    mixed = ctx.initialized and ctx.device.type == "cuda" and mcfg.dtype != "float32"
+    mode = cfg.actor.master_weights
+    master_in_optimizer = mcfg.dtype != "float32" and (mode == "optimizer" or (mode == "auto" and not fsdp))
+    if master_in_optimizer and fsdp:
+        raise RuntimeError("actor.master_weights=optimizer needs one learner rank without offload; under FSDP2 "
+                           "the fp32 master weights are the sharded parameters (actor.master_weights=model)")
+    mixed = ctx.initialized and ctx.device.type == "cuda" and mcfg.dtype != "float32" and not master_in_optimizer
     attn = packed_attention(ctx.device, torch_dtype(mcfg.dtype)) if mcfg.use_remove_padding else "sdpa"
     model = load_causal_lm(
         model_path, "float32" if mixed else mcfg.dtype, "cpu" if fsdp else ctx.device, trainable=True,
@@ -414,7 +419,10 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     )
     if mcfg.use_liger:
         apply_liger(model)
-    if cfg.actor.use_torch_compile:
+    compile_layers = cfg.actor.use_torch_compile
+    if compile_layers is None:
+        compile_layers = ctx.device.type == "cuda"
+    if compile_layers:
         for layer in decoder_layers(model):  # one compiled graph, reused by every (identical) block
             layer.compile()
     if mcfg.enable_gradient_checkpointing:
@@ -426,6 +434,7 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         shard_model(model, ctx, torch_dtype(mcfg.dtype) if mixed else None, offload=offload)
     elif mixed:  # one GPU: the same numerics without FSDP's per-layer hooks (fp32 master, bf16 compute)
         model._rlbus_autocast = torch_dtype(mcfg.dtype)
+    model._rlbus_master_in_optimizer = master_in_optimizer  # rlbus.learner.optim.build_optimizer reads it
     return model
 
 

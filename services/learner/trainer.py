@@ -22,6 +22,7 @@ from rlbus.learner.algorithms.policy_loss import (
     truncated_is_weights,
 )
 from rlbus.learner.batch import TrainBatch
+from rlbus.learner.optim import build_optimizer
 from rlbus.modeling import torch_dtype
 
 
@@ -52,10 +53,7 @@ class PolicyTrainer:
         self.par.lead_init(model_path, total_steps)
         self.model = parallel.build_policy_model(cfg, model_path, self.par)
         optim = cfg.actor.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
+        self.optimizer = build_optimizer(self.model, optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_lambda(s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler,

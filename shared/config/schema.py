@@ -185,7 +185,13 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(0, ge=0, description="prompts per optimizer step; 0 = the whole batch")
     ppo_micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
     ppo_epochs: int = Field(1, ge=1)
-    use_torch_compile: bool = Field(False, description="torch.compile each decoder layer of the policy")
+    use_torch_compile: bool | None = Field(
+        None, description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA")
+    master_weights: Literal["auto", "model", "optimizer"] = Field(
+        "auto", description="with model.dtype bf16/fp16: model = fp32 parameters computing in model.dtype "
+        "(autocast on one GPU, FSDP2 mixed precision across ranks); optimizer = the model held in model.dtype, "
+        "the fp32 master copy and moments in the optimizer state (one learner rank); auto = optimizer on one "
+        "rank, model under FSDP2")
     clip_ratio: float = Field(0.2, gt=0.0)
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
