@@ -191,3 +191,53 @@ async def test_acks_through_a_server_crash_never_raise_and_lose_nothing(
             if unconfirmed:
                 break
         assert unconfirmed, "the crash never made the server forget a delivery: this test checked nothing"
+
+
+def _hostile_work(run_id: str) -> list[tuple[PromptWork, str]]:
+    """Schema-valid PromptWork no engine should take, each with the reason fragment its dead letter carries."""
+
+    def work(pid: str, ids: list[int], n: int = 1, max_tokens: int = 8) -> PromptWork:
+        return PromptWork(run_id=run_id, prompt_id=pid, index=0, step=0, min_policy_version=0, prompt_ids=ids,
+                          n=n, sampling=SamplingParams(max_tokens=max_tokens))
+
+    return [
+        (work("hostile-token", [1, 10_000_000, 2]), "token id 10000000 is outside the vocabulary"),
+        (work("hostile-negative", [1, -5]), "token id -5 is outside the vocabulary"),
+        (work("hostile-length", [1] * 100_000), "prompt of 100000 tokens is over the run's limit"),
+        (work("hostile-n", [1, 2], n=1_000_000), "n=1000000 samples is outside"),
+        (work("hostile-max-tokens", [1, 2], max_tokens=10_000_000), "max_tokens=10000000 is outside"),
+    ]
+
+
+@pytest.mark.timeout(240)
+def test_hostile_prompt_work_is_dead_lettered_alone_and_no_replica_exits(
+    private_nats: LocalNatsServer, run_id: str, tmp_path: Path
+) -> None:
+    """Well-formed work that would crash or stall an engine: each item is parked with its reason, the
+    replica keeps generating its batch-mates, and the run trains every step on honest prompts."""
+    cfg = make_config(private_nats.url, run_id, tmp_path, RUN)
+    hostile = _hostile_work(cfg.run.id)
+
+    async def inject() -> None:
+        async with Bus.connect(cfg, name="attacker", ensure=False) as bus:
+            for work, _ in hostile:
+                await bus.publish(Stage.PROMPTS, work, msg_id=work.prompt_id)
+
+    async def parked() -> list:
+        async with Bus.connect(cfg, name="inspector", ensure=False) as bus:
+            return await bus.dead_letters(Stage.PROMPTS, limit=50)
+
+    with Run(cfg) as run:
+        run.wait_for_step(2, 150)
+        asyncio.run(inject())
+        rc = run.wait_learner(180)
+        assert rc == 0, _logs(run)
+        assert all(p.alive for p in run.procs if p.name != "learner"), _logs(run)
+        letters = {dl.headers.get("Rlbus-Original-Msg-Id"): dl.reason for dl in asyncio.run(parked())}
+        for work, fragment in hostile:
+            assert fragment in letters.get(work.prompt_id, ""), (work.prompt_id, letters)
+        assert set(letters) == {w.prompt_id for w, _ in hostile}, "only the hostile items were parked"
+        ledger = _check_ledger(run)
+        assert not any(pid.startswith("hostile") for pid in ledger["dispatched"])
+        rollout_log = "\n".join(p.log_path.read_text(errors="replace") for p in run.procs if p.name.startswith("rollout"))
+        assert rollout_log.count("work item dead-lettered") == len(hostile), rollout_log[-3000:]

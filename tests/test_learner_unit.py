@@ -78,3 +78,15 @@ def test_gsm8k_jsonl_keeps_the_final_answer(tmp_path) -> None:
     cfg = load_config(None, ["data.task=jsonl", f"data.train_files=[{path}]", "data.prompt_key=question"])
     [(prompt, meta)] = load_split(cfg.data, "train")
     assert prompt == "2+2?" and meta["answer"] == "1004" and meta["task"] == "gsm8k"
+
+
+def test_ledger_drops_dead_lettered_prompts_of_its_own_only() -> None:
+    from rlbus.learner.dispatch import DEAD_LETTERED, Ledger
+
+    ledger = Ledger(dispatched={"p1": 0, "p2": 1, "p3": 2}, trained={"p3": 0})
+    assert ledger.settle_dead_letter("p1") == "p1"  # the prompt itself, parked by a replica
+    assert ledger.settle_dead_letter("p2:traj") == "p2"  # what became of it, parked downstream
+    assert ledger.settle_dead_letter("p3:scored") is None  # already trained: not ours to drop
+    assert ledger.settle_dead_letter("intruder") is None  # never dispatched by us
+    assert ledger.dropped == {"p1": DEAD_LETTERED, "p2": DEAD_LETTERED}
+    assert ledger.in_flight == 0 and ledger.dropped_count(DEAD_LETTERED) == 2

@@ -16,6 +16,8 @@ from rlbus.config import RlbusConfig
 from rlbus.learner.data import PromptLoader, truncate_prompt
 from rlbus.messages import PromptWork, SamplingParams
 
+DEAD_LETTERED = "dead_lettered"  # a service parked the work on the DLQ: it will never be trained
+
 
 @dataclass
 class Ledger:
@@ -33,6 +35,15 @@ class Ledger:
 
     def is_settled(self, prompt_id: str) -> bool:
         return prompt_id in self.trained or prompt_id in self.dropped
+
+    def settle_dead_letter(self, original_msg_id: str) -> str | None:
+        """A dead letter of `original_msg_id` (a prompt id, or "<prompt id>:<stage>" downstream): that prompt,
+        if ours and unsettled, is dropped as 'dead_lettered' and returned; anything else is not ours."""
+        pid = original_msg_id.split(":", 1)[0]
+        if pid not in self.dispatched or self.is_settled(pid):
+            return None
+        self.dropped[pid] = DEAD_LETTERED
+        return pid
 
     def dropped_count(self, reason: str) -> int:
         return sum(1 for r in self.dropped.values() if r == reason)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from rlbus.config import RlbusConfig
-from rlbus.learner.dispatch import Dispatcher, Ledger
+from rlbus.learner.dispatch import DEAD_LETTERED, Dispatcher, Ledger
 from rlbus.messages import ReadyGroup, encode
 from rlbus.service import EXIT_REFUSED, ServiceContext
 
@@ -138,6 +138,7 @@ class Learner:
             Stage.READY, durable="learner", expected=ReadyGroup, ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
             max_deliver=self.cfg.bus.max_deliver,
         )
+        await self.ctx.bus.nc.subscribe(self.ctx.bus.names.dlq_wildcard, cb=self._on_dead_letter)
         await self.ctx.state.set_policy_version(self.version)
         self.ctx.policy_version = self.version
         if self.resumed_from is not None or self._replicas_may_differ:
@@ -237,6 +238,17 @@ class Learner:
         else:
             self.ledger.dropped[pid] = reason
         await delivery.ack()
+
+    async def _on_dead_letter(self, msg) -> None:
+        """A service parked one of our prompts (or what became of it) on the DLQ: it will never be trained.
+        The ledger says so under its own reason, and the slot it held goes to new work."""
+        from rlbus.bus.transport import ORIGINAL_MSG_ID_HEADER, REASON_HEADER, STAGE_HEADER
+
+        headers = msg.headers or {}
+        pid = self.ledger.settle_dead_letter(headers.get(ORIGINAL_MSG_ID_HEADER, ""))
+        if pid is not None:
+            self.ctx.log.warning("prompt dead-lettered; it will not be trained", prompt_id=pid,
+                                 stage=headers.get(STAGE_HEADER), reason=headers.get(REASON_HEADER))
 
     async def start_validation(self, step: int) -> None:
         if self.val_records:
@@ -405,6 +417,7 @@ class Learner:
                 "prompts/dispatched": float(len(self.ledger.dispatched)),
                 "prompts/trained": float(len(self.ledger.trained)),
                 "prompts/leftovers": float(self.ledger.leftovers),
+                "prompts/dead_lettered": float(self.ledger.dropped_count(DEAD_LETTERED)),
             })
             self.writer.log(step + 1, metrics)
             self.ledger.save(ledger_path)

@@ -112,6 +112,27 @@ class Replica:
         self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch, transport="cuda_ipc",
                           seconds=round(self.ctx.stats["weight_recv_s"], 4))
 
+    async def generate_each(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup | Exception], int]:
+        """`generate`, but an engine error costs only the item that caused it: on a failed batch each item
+        is tried alone, and the ones that still fail come back as their exception."""
+        try:
+            groups, tokens = await self.generate(works)
+            return list(groups), tokens
+        except Exception as exc:  # noqa: BLE001 - an engine error on some item; find which
+            if len(works) == 1:
+                return [exc], 0
+            self.ctx.log.warning("batch generation failed; trying its items one by one", error=str(exc)[:300])
+        outcomes: list[TrajectoryGroup | Exception] = []
+        total = 0
+        for work in works:
+            try:
+                groups, tokens = await self.generate([work])
+                outcomes.append(groups[0])
+                total += tokens
+            except Exception as exc:  # noqa: BLE001
+                outcomes.append(exc)
+        return outcomes, total
+
     async def generate(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup], int]:
         from rlbus.rollout.engines.base import GenerationRequest
 
@@ -134,14 +155,32 @@ class Replica:
         return groups, tokens
 
 
+async def admit(ctx: ServiceContext, deliveries: list, limits) -> list:
+    """The deliveries the engine may take; the others are dead-lettered, each with its reason."""
+    from rlbus.rollout.admission import rejection
+
+    admitted = []
+    for d in deliveries:
+        reason = rejection(d.message, limits)
+        if reason is None:
+            admitted.append(d)
+            continue
+        ctx.log.error("work item dead-lettered", prompt_id=d.message.prompt_id, reason=reason)
+        await d.dead_letter(reason)
+    return admitted
+
+
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
+    from rlbus.rollout.admission import limits_for
     from rlbus.rollout.engines.factory import build_engine
     from rlbus.weight_transport import device_place
 
     cfg = ctx.cfg
-    engine = await asyncio.to_thread(build_engine, cfg, resolve_model_path(cfg.model.path))
+    model_path = resolve_model_path(cfg.model.path)
+    engine = await asyncio.to_thread(build_engine, cfg, model_path)
+    limits = await asyncio.to_thread(limits_for, cfg, model_path)
     replica = Replica(ctx, engine)
     ctx.stats.update(weight_ranks=float(engine.weight_ranks), groups=0, tokens=0,
                      ipc_capable=float(engine.supports_ipc))
@@ -158,6 +197,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
                 weights = asyncio.create_task(replica.weight_loop())
             deliveries = await consumer.fetch(batch=cfg.rollout.prompts_per_batch, timeout=1.0)
+            deliveries = await admit(ctx, deliveries, limits)
             if not deliveries:
                 continue
             needed = max(d.message.min_policy_version for d in deliveries)
@@ -166,11 +206,16 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 for d in deliveries:
                     await d.nak(delay=1.0)
                 continue
-            groups, tokens = await replica.generate([d.message for d in deliveries])
-            for d, group in zip(deliveries, groups, strict=True):
-                await ctx.bus.publish(Stage.TRAJECTORIES, group, msg_id=f"{group.work.prompt_id}:traj")
+            outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
+            for d, outcome in zip(deliveries, outcomes, strict=True):
+                if isinstance(outcome, Exception):  # this item alone broke the engine: park it, go on
+                    reason = f"generation failed: {type(outcome).__name__}: {outcome}"
+                    ctx.log.error("work item dead-lettered", prompt_id=d.message.prompt_id, reason=reason)
+                    await d.dead_letter(reason)
+                    continue
+                await ctx.bus.publish(Stage.TRAJECTORIES, outcome, msg_id=f"{outcome.work.prompt_id}:traj")
                 await d.ack()
-            ctx.stats["groups"] += len(groups)
+                ctx.stats["groups"] += 1
             ctx.stats["tokens"] += tokens
     finally:
         weights.cancel()

@@ -69,6 +69,7 @@ KIND_HEADER = "Rlbus-Kind"
 REASON_HEADER = "Rlbus-Reason"
 STAGE_HEADER = "Rlbus-Stage"
 ORIGINAL_SUBJECT_HEADER = "Rlbus-Original-Subject"
+ORIGINAL_MSG_ID_HEADER = "Rlbus-Original-Msg-Id"
 DELIVERED_HEADER = "Rlbus-Delivered"
 STREAM_SEQ_HEADER = "Rlbus-Stream-Seq"
 CONSUMER_HEADER = "Rlbus-Consumer"
@@ -690,7 +691,7 @@ class Bus:
         hdrs = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
         original_id = (msg.headers or {}).get(MSG_ID_HEADER)
         if original_id:
-            hdrs["Rlbus-Original-Msg-Id"] = original_id
+            hdrs[ORIGINAL_MSG_ID_HEADER] = original_id
         hdrs.update(
             {
                 REASON_HEADER: _one_line(reason),
