@@ -15,7 +15,8 @@ from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import progress_line, read_metrics
 from rlbus.notices import NOTICES_FILE, read_notices
-from rlbus.service import EXIT_REFUSED
+from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED
+from rlbus.supervisor import Action, Supervisor
 
 log = get_logger("launcher")
 
@@ -177,30 +178,50 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                 said.add(text)
                 print(text, file=sys.stderr, flush=True)
 
+    supervisor = Supervisor(cfg.run.max_restarts, cfg.run.restart_backoff_s)
+    gave_up: tuple[ServiceProcess, int] | None = None
+    rc: int | None = None
     try:
         for p in procs:
             p.start()
-        while not stopping and learner.alive:
+        while not stopping:
             time.sleep(1.0)
             rows = read_metrics(run_dir)
+            shown = min(shown, len(rows))  # a restarted learner rewinds the metrics to its checkpoint
             for row in rows[shown:]:
                 print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
             shown = len(rows)
             show_notices()
-            refused = next((p for p in procs[:-1] if p.proc is not None and p.proc.poll() == EXIT_REFUSED), None)
-            if refused is not None:  # its configuration cannot work: restarting it would loop forever
+            learner_rc = learner.proc.poll() if learner.proc is not None else None
+            if learner_rc in (0, EXIT_PUSH_FAILED):  # done, or stopped for a reason a restart would repeat
+                rc = learner_rc
+                break
+            for p in procs:
+                code = p.proc.poll() if p.proc is not None else None
+                action = supervisor.on_exit(p.name, code, time.monotonic())
+                if action is Action.REFUSED:  # its configuration cannot work: restarting it would loop forever
+                    refused = p
+                elif action is Action.GIVE_UP:
+                    gave_up = (p, int(code or 1))
+                elif action is Action.RESTART:
+                    n = supervisor.restarts[p.name]
+                    log.warning("service exited; restarting it", service=p.name, rc=code, restart=n,
+                                max_restarts=cfg.run.max_restarts, log=str(p.log_path))
+                    print(f"rlbus: {p.name} exited with {code}; restarting it ({n}/{cfg.run.max_restarts})"
+                          + (", from its last checkpoint" if p is learner else ""), file=sys.stderr, flush=True)
+                    p.start()
+                if refused is not None or gave_up is not None:
+                    break
+            if refused is not None:
                 log.error("service refused its configuration; stopping the run", service=refused.name,
                           log=str(refused.log_path))
+                rc = EXIT_REFUSED
                 break
-            for p in procs[:-1]:
-                if not p.alive and p.proc is not None and p.proc.returncode not in (0, None):
-                    log.warning("service exited; restarting it", service=p.name, rc=p.proc.returncode,
-                                log=str(p.log_path))
-                    p.start()
-        if refused is not None:
-            rc = EXIT_REFUSED
-        else:
-            rc = learner.proc.returncode if learner.proc and learner.proc.poll() is not None else 130
+            if gave_up is not None:
+                rc = gave_up[1]
+                break
+        if rc is None:
+            rc = 130  # stopped by a signal
     finally:
         for p in reversed(procs):
             p.stop()
@@ -214,6 +235,10 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     show_notices()
     if refused is not None:
         print(f"rlbus: {refused.name} refused its configuration; see {refused.log_path}", file=sys.stderr, flush=True)
+    elif gave_up is not None:
+        print(f"rlbus: {gave_up[0].name} kept dying (exit {gave_up[1]} after {cfg.run.max_restarts} restarts, "
+              f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {gave_up[0].log_path}",
+              file=sys.stderr, flush=True)
     elif rc not in (0, None):
         print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
     return int(rc or 0)

@@ -136,6 +136,8 @@ class WeightAnnouncement(Message):
     checksum: float = Field(description="sum of all values in fp64: the receiver checks it before swapping")
     ipc_replicas: list[str] = Field(default_factory=list, description="replicas that read `ipc_buffer` instead")
     ipc_buffer: IpcBuffer | None = None
+    new_group: bool = Field(True, description="the group of this epoch forms now; False = it is already formed "
+                            "(only its members from before can take part)")
 
 
 class Heartbeat(Message):
@@ -149,6 +151,8 @@ class Heartbeat(Message):
     stats: dict[str, float] = Field(default_factory=dict)
     host: str = ""
     device: str = Field("", description="where the weights live: 'cpu' or 'cuda:<GPU UUID>' (rollout)")
+    incarnation: str = Field("", description="new at every process start: a restarted replica under the same "
+                             "id is a new member of the weight group")
 
 
 class WeightAck(Message):

@@ -18,6 +18,8 @@ from rlbus.logs import get_logger, setup_logging
 from rlbus.messages import Heartbeat
 
 EXIT_REFUSED = 2  # a service's configuration cannot work: supervisors must not restart it (rlbus up stops)
+EXIT_STALLED = 3  # the learner waited past trainer.batch_timeout_s for data: a restart may get it going
+EXIT_PUSH_FAILED = 4  # weight pushes failed for one reason weight_push_max_failures times: a restart would too
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_STATUS_POLL_S = 0.25  # how soon a status change goes out
 
@@ -37,6 +39,7 @@ class ServiceContext:
     device: str = ""  # where this service keeps its weights, as rlbus.weight_transport.DevicePlace prints it
     health: Any = None
     metrics: Any = None
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this process start
 
     @property
     def run_dir(self) -> Path:
@@ -55,6 +58,7 @@ class ServiceContext:
             run_id=self.cfg.run.id, service=self.service, instance_id=self.instance_id,
             policy_version=self.policy_version, time=time.time(), status=self.status,
             stats=dict(self.stats), host=socket.gethostname(), device=self.device,
+            incarnation=self.incarnation,
         )
 
 

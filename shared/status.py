@@ -189,8 +189,13 @@ async def _status(cfg: RlbusConfig, url: str, watch: bool) -> int:
         print(f"rlbus status: {exc}", file=sys.stderr)
         return 1
     bus = Bus(nc, cfg.run.id, cfg.bus)
+    stop = asyncio.Event()
+    if watch:  # Ctrl-C ends the watch between redraws, promptly, whatever the bus is doing
+        import signal
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
     try:
-        while True:
+        while not stop.is_set():
             try:
                 snapshot = await collect_status(bus)
             except RunNotFound as exc:
@@ -210,9 +215,16 @@ async def _status(cfg: RlbusConfig, url: str, watch: bool) -> int:
                 print(text, end="" if not watch else "\n", flush=True)
             if not watch:
                 return 0
-            await asyncio.sleep(WATCH_EVERY_S)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=WATCH_EVERY_S)
+            except TimeoutError:
+                pass
+        return 0
     finally:
-        await bus.close()
+        try:
+            await asyncio.wait_for(bus.close(), timeout=5.0)
+        except TimeoutError:
+            pass
 
 
 def run_status(cfg: RlbusConfig, watch: bool = False) -> int:

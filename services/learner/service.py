@@ -14,7 +14,7 @@ import numpy as np
 from rlbus.config import RlbusConfig
 from rlbus.learner.dispatch import DEAD_LETTERED, Dispatcher, Ledger
 from rlbus.messages import ReadyGroup, encode
-from rlbus.service import EXIT_REFUSED, ServiceContext
+from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
 
 WAIT_LOG_EVERY_S = 10.0
 KEEPALIVE_EVERY_S = 10.0
@@ -479,11 +479,11 @@ async def learner_loop(ctx: ServiceContext) -> int:
     except LearnerStalled as exc:
         ctx.log.error("learner stalled", reason=str(exc))
         post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
-        return 3
+        return EXIT_STALLED
     except WeightPushFailed as exc:
         ctx.log.error("weight push keeps failing", reason=str(exc))
         post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
-        return 4
+        return EXIT_PUSH_FAILED
     except asyncio.CancelledError:
         ctx.log.info("learner stopped before the end", step=learner.version)
         learner.ledger.save(Path(learner.run_dir) / "ledger.json")

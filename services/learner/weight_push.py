@@ -62,6 +62,7 @@ class LiveReplica:
     ranks: int  # group ranks it needs (its TP size)
     place: DevicePlace
     ipc_capable: bool
+    incarnation: str = ""  # its process start: a restart under the same id is a new member
 
 
 class WeightPusher:
@@ -86,6 +87,10 @@ class WeightPusher:
         self.port = 0
         self.streaks: dict[str, tuple[str, int]] = {}  # path (group | ipc) -> (failure kind, times in a row)
         self.refused: dict[str, str] = {}  # replica id -> why its placement cannot work
+        # replica id -> wall time of a push it was part of that failed: it joins again only with a heartbeat
+        # stamped after that (a dead process never beats again; a live one beats within HEARTBEAT_INTERVAL_S)
+        self.suspects: dict[str, float] = {}
+        self.incarnations: dict[str, str] = {}  # replica id -> incarnation, of the last good push
         # replica id -> transport of the last good push; None = the next push forms a new epoch
         self.transports: dict[str, Transport] | None = None
         self._acks: asyncio.Queue[WeightAck] = asyncio.Queue()
@@ -116,15 +121,32 @@ class WeightPusher:
     async def live_replicas(self) -> dict[str, LiveReplica]:
         """Replicas whose heartbeat is fresh and ready, with where they keep their weights."""
         beats = await self.ctx.state.live("rollout", self.ctx.cfg.trainer.replica_timeout_s)
-        return {
-            hb.instance_id: LiveReplica(
-                int(hb.stats.get("weight_ranks", 1) or 1),
-                DevicePlace.parse(hb.device),
-                bool(hb.stats.get("ipc_capable", 0.0)),
+        live = {}
+        for hb in beats:
+            if hb.status != "ready" or not self._cleared(hb.instance_id, hb.time):
+                continue
+            live[hb.instance_id] = LiveReplica(
+                int(hb.stats.get("weight_ranks", 1) or 1), DevicePlace.parse(hb.device),
+                bool(hb.stats.get("ipc_capable", 0.0)), hb.incarnation,
             )
-            for hb in beats
-            if hb.status == "ready"
-        }
+        return live
+
+    def _cleared(self, replica_id: str, beat_time: float) -> bool:
+        """False while `replica_id` is suspected of breaking a push and has not heartbeat since."""
+        failed_at = self.suspects.get(replica_id)
+        if failed_at is None:
+            return True
+        if beat_time > failed_at:
+            del self.suspects[replica_id]
+            self.ctx.log.info("replica heartbeat after the failed push; it may join again", replica=replica_id)
+            return True
+        return False
+
+    def _suspect(self, replica_ids) -> None:
+        """The members of a failed push sit out the next one until each proves it is alive."""
+        now = time.time()
+        for rid in replica_ids:
+            self.suspects[rid] = now
 
     def _assign(self, live: dict[str, LiveReplica]) -> dict[str, Transport]:
         """Transport per replica; a replica whose placement cannot work is left out, once said why."""
@@ -165,7 +187,8 @@ class WeightPusher:
         except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
             self.transports = None
             return self._failed(version, f"preparing the push: {exc}", "group")
-        reform = self.transports != transports or (
+        incarnations = {rid: live[rid].incarnation for rid in transports}
+        reform = self.transports != transports or self.incarnations != incarnations or (
             bool(group_ids) and (self.sender is None or not self.sender.is_open)
         )
         new_group = bool(group_ids) and reform
@@ -194,6 +217,7 @@ class WeightPusher:
             backend=backend or "gloo",
             ipc_replicas=ipc_ids,
             ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
+            new_group=new_group,
             **plan.announcement_fields(),
         )
         while not self._acks.empty():  # acks of an earlier push that timed out
@@ -205,9 +229,10 @@ class WeightPusher:
             error = await self._send_group(named_weights, plan, port, world, new_group)
             if error:
                 self.transports = None
+                self._suspect(group_ids)
                 return self._failed(version, error, "group")
             self.streaks.pop("group", None)
-        self.transports, self.ranks = transports, ranks
+        self.transports, self.ranks, self.incarnations = transports, ranks, incarnations
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
@@ -269,6 +294,7 @@ class WeightPusher:
         error = await self._wait_acks(waiting, version, epoch)
         if error:
             self.transports = None
+            self._suspect(waiting)  # the silent ones (a reader that answered "bad copy" is alive)
             self._failed(version, error, "ipc")
         else:
             self.streaks.pop("ipc", None)
@@ -319,8 +345,11 @@ class WeightPusher:
 
     async def maintain(self, named_weights, version: int) -> None:
         """Called while waiting for data: serve late joiners and retry failed pushes."""
-        live = set(self._assign(await self.live_replicas()))
+        replicas = await self.live_replicas()
+        live = set(self._assign(replicas))
         members = set(self.transports or {})
+        if any(self.incarnations.get(r, "") != replicas[r].incarnation for r in members & live):
+            members = set()  # a member restarted under its id: push to the new process now
         if version == 0:
             # Everyone starts from the same checkpoint on disk: nothing to send yet.
             self.transports = self.transports if members == live else None

@@ -24,6 +24,7 @@ class Replica:
         self.version = 0  # the model on disk is policy version 0
         self.version_changed = asyncio.Condition()
         self.last_announcement: tuple[int, int] | None = None  # (epoch, version) last taken part in
+        self.joined_epoch: int | None = None  # the torch group this process is a member of
 
     async def _set_version(self, version: int) -> None:
         async with self.version_changed:
@@ -63,11 +64,18 @@ class Replica:
             key = (ann.epoch, ann.version)
             if key == self.last_announcement:
                 continue
+            if await self._superseded(key):  # a newer push is out: joining this one would wait on a dead group
+                continue
             if replica_id in ann.ipc_replicas:
                 self.last_announcement = key
                 await self._take_ipc(ann)
                 continue
             if replica_id not in ann.ranks:
+                continue
+            if not ann.new_group and ann.epoch != self.joined_epoch:
+                # a group formed before this process (its predecessor under our id): the learner re-forms
+                # the group when it sees our new incarnation
+                self.last_announcement = key
                 continue
             self.last_announcement = key
             t0 = time.perf_counter()
@@ -81,9 +89,21 @@ class Replica:
                 self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc))
                 continue
             self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
+            self.joined_epoch = ann.epoch
             await self._set_version(ann.version)
             self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch,
                               seconds=round(self.ctx.stats["weight_recv_s"], 3))
+
+    async def _superseded(self, key: tuple[int, int]) -> bool:
+        """Whether the current announcement is newer than `key` (this one waited behind a long receive, or
+        is the last one a dead learner attempt left in the store)."""
+        try:
+            raw = await self.ctx.state.get_announcement()
+            latest = decode(raw, WeightAnnouncement) if raw else None
+        except Exception as exc:  # noqa: BLE001 - cannot tell: take part in this one
+            self.ctx.log.warning("cannot read the current weight announcement", error=str(exc))
+            return False
+        return latest is not None and (latest.epoch, latest.version) != key
 
     async def _ack(self, ann: WeightAnnouncement, ok: bool, detail: str = "") -> None:
         ack = WeightAck(replica_id=self.ctx.instance_id, version=ann.version, epoch=ann.epoch, ok=ok, detail=detail)

@@ -20,6 +20,10 @@ class RunConfig(Section):
     id: str = Field("demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket")
     dir: Path = Field(Path("runs"), description="parent folder of run directories (logs, metrics, checkpoints)")
     health_port: int = Field(0, ge=0, description="HTTP port for /healthz, /readyz, /metrics; 0 = off")
+    max_restarts: int = Field(5, ge=0, description="`rlbus up` restarts a service that dies this many times "
+                              "(the learner resumes from its last checkpoint), then stops the run")
+    restart_backoff_s: float = Field(1.0, ge=0.0, description="wait before a restart; doubles per restart, "
+                                     "at most 30 s")
 
 
 class DataConfig(Section):

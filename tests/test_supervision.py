@@ -1,0 +1,79 @@
+"""`rlbus up` supervises its services: SIGKILL one mid-run (the learner too) and the run still finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_utils import FAST
+
+from rlbus.metrics_log import read_metrics
+
+STEPS = 60
+
+
+def _children(parent: int) -> dict[str, int]:
+    """The services `rlbus up` (pid `parent`) started: service name -> pid, read from /proc."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == parent and b"rlbus.cli" in args:
+            out[args[args.index(b"rlbus.cli") + 1].decode()] = int(entry.name)
+    return out
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_killed_services_are_restarted_and_the_run_finishes(tmp_path: Path, nats_url: str, run_id: str) -> None:
+    run_dir = tmp_path / "runs" / run_id
+    up = subprocess.Popen(
+        [sys.executable, "-m", "rlbus.cli", "up", f"bus.url={nats_url}", f"run.id={run_id}",
+         f"run.dir={tmp_path / 'runs'}", *FAST, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=10",
+         "trainer.test_freq=-1", "trainer.val_before_train=false", "run.restart_backoff_s=0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        def step() -> int:
+            rows = read_metrics(run_dir)
+            return int(rows[-1]["step"]) if rows else 0
+
+        _wait_for(lambda: step() >= 5, 180, "step 5")
+        os.kill(_children(up.pid)["rollout"], signal.SIGKILL)
+        _wait_for(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
+        learner = _children(up.pid)["learner"]
+        os.kill(learner, signal.SIGKILL)
+        _wait_for(lambda: _children(up.pid).get("learner") not in (None, learner), 60, "a new learner")
+        out, err = up.communicate(timeout=300)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.communicate(timeout=60)
+    assert up.returncode == 0, err[-3000:]
+    assert "rollout-0 exited with -9; restarting it (1/5)" in err, err[-3000:]
+    assert "learner exited with -9; restarting it (1/5), from its last checkpoint" in err, err[-3000:]
+    assert f"step {STEPS}/{STEPS}" in out
+    steps = [int(r["step"]) for r in read_metrics(run_dir) if "reward/mean" in r]
+    assert steps == list(range(1, STEPS + 1)), steps  # the resumed learner rewound to step 10 and went on
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    assert len(ledger["trained"]) == STEPS * 16  # data.train_batch_size
+    assert set(ledger["dispatched"]) == set(ledger["trained"]) | set(ledger["dropped"])
