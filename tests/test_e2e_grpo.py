@@ -18,6 +18,8 @@ def _mean(rows: list[dict], key: str) -> float:
     return float(np.mean([r[key] for r in rows]))
 
 
+# The one GRPO accuracy run (150 steps, ~2-3 min): in `make test-slow` with the other accuracy runs.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_path: Path) -> None:
     cfg = make_config(nats_url, run_id, tmp_path, [
