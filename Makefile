@@ -48,7 +48,7 @@ demo:
 
 lint:
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
+	$(VENV)/bin/ruff format --check .
 
 format:
 	$(VENV)/bin/ruff check --fix .

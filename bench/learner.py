@@ -50,10 +50,30 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIGS = ["plain-bf16", "rlbus", "rlbus+autocast", "rlbus+eager", "rlbus+nofuse", "rlbus+liger",
-                   "rlbus+pack", "rlbus+gc", "plain-bf16/var", "rlbus/var", "rlbus+pack/var"]
-ALL_CONFIGS = [*DEFAULT_CONFIGS, "plain", "plain/var", "rlbus+fsdp", "rlbus+lora", "rlbus+offload",
-               "rlbus+pack+liger", "rlbus+pack+liger/var", "rlbus+liger+autocast"]
+DEFAULT_CONFIGS = [
+    "plain-bf16",
+    "rlbus",
+    "rlbus+autocast",
+    "rlbus+eager",
+    "rlbus+nofuse",
+    "rlbus+liger",
+    "rlbus+pack",
+    "rlbus+gc",
+    "plain-bf16/var",
+    "rlbus/var",
+    "rlbus+pack/var",
+]
+ALL_CONFIGS = [
+    *DEFAULT_CONFIGS,
+    "plain",
+    "plain/var",
+    "rlbus+fsdp",
+    "rlbus+lora",
+    "rlbus+offload",
+    "rlbus+pack+liger",
+    "rlbus+pack+liger/var",
+    "rlbus+liger+autocast",
+]
 # What each name part adds to the rlbus config (several combine: rlbus+pack+liger).
 SUFFIX_OVERRIDES = {
     "+pack": ["model.use_remove_padding=true"],
@@ -81,7 +101,8 @@ def bootstrap_rlbus(force: bool = False) -> str:
     for name in [m for m in sys.modules if m == "rlbus" or m.startswith("rlbus.")]:
         del sys.modules[name]
     spec = importlib.util.spec_from_file_location(
-        "rlbus", ROOT / "shared" / "__init__.py",
+        "rlbus",
+        ROOT / "shared" / "__init__.py",
         submodule_search_locations=[str(ROOT / "shared"), str(ROOT / "services")],
     )
     assert spec is not None and spec.loader is not None
@@ -95,12 +116,28 @@ def model_config(args: argparse.Namespace):
     from transformers import Qwen2Config
 
     if args.tiny:
-        return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                           tie_word_embeddings=True)
-    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=args.layers,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
+        return Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=args.layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
 
 
 def build_model_dir(config: Any, out: Path) -> Path:
@@ -133,10 +170,17 @@ def make_batch(lengths: list[int], vocab: int, prompt_len: int, group: int, seed
         resp[b, p - 1 : n - 1] = 1.0
     pos = (mask.cumsum(-1) - 1).clamp(min=0) * mask
     return TrainBatch(
-        input_ids=ids, attention_mask=mask, position_ids=pos, response_mask=resp,
-        behaviour_logprobs=-torch.rand(bsz, width - 1, generator=g) * resp, ref_logprobs=None,
-        rewards=torch.rand(bsz, generator=g), correct=torch.zeros(bsz, dtype=torch.bool),
-        group_ids=torch.arange(bsz) // group, policy_versions=torch.zeros(bsz, dtype=torch.long), temperature=1.0,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        response_mask=resp,
+        behaviour_logprobs=-torch.rand(bsz, width - 1, generator=g) * resp,
+        ref_logprobs=None,
+        rewards=torch.rand(bsz, generator=g),
+        correct=torch.zeros(bsz, dtype=torch.bool),
+        group_ids=torch.arange(bsz) // group,
+        policy_versions=torch.zeros(bsz, dtype=torch.long),
+        temperature=1.0,
     )
 
 
@@ -169,9 +213,14 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
 
     packed = "+pack" in name
     overrides = [
-        f"model.path={model_dir}", f"model.dtype={args.dtype}", f"trainer.device={args.device}",
-        f"actor.ppo_micro_batch_size={args.micro}", "actor.ppo_mini_batch_size=0", "actor.ppo_epochs=1",
-        "actor.optim.lr=1e-6", f"data.max_response_length={args.seq_len}",
+        f"model.path={model_dir}",
+        f"model.dtype={args.dtype}",
+        f"trainer.device={args.device}",
+        f"actor.ppo_micro_batch_size={args.micro}",
+        "actor.ppo_mini_batch_size=0",
+        "actor.ppo_epochs=1",
+        "actor.optim.lr=1e-6",
+        f"data.max_response_length={args.seq_len}",
         f"actor.ppo_max_token_len_per_gpu={args.micro * args.seq_len}",
     ]
     for suffix, extra in SUFFIX_OVERRIDES.items():
@@ -186,9 +235,11 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
         os.environ.pop("RLBUS_FSDP", None)
     from torch.distributed.fsdp import FSDPModule
 
-    out: dict[str, Any] = {"attn": trainer.model.config._attn_implementation,
-                           "fsdp": isinstance(trainer.model, FSDPModule),
-                           "micro_batches": len(trainer._micro_batches(batch))}
+    out: dict[str, Any] = {
+        "attn": trainer.model.config._attn_implementation,
+        "fsdp": isinstance(trainer.model, FSDPModule),
+        "micro_batches": len(trainer._micro_batches(batch)),
+    }
     if packed:  # the packed path must compute what the padded one does
         probe = batch.select(list(range(min(4, batch.size))))
         with torch.no_grad():
@@ -241,14 +292,21 @@ def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
                 labels[:, 1:][mb.response_mask[:, : width - 1].to(dev) == 0] = -100
                 labels[:, 0] = -100
             with amp:
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss / n_micro
+                loss = (
+                    model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss / n_micro
+                )
             loss.backward()
             loss_box.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    out = {"times": time_steps(step, args.warmup, args.steps), "attn": "sdpa", "fsdp": False,
-           "micro_batches": n_micro, "loss": loss_box[-1] if loss_box else None}
+    out = {
+        "times": time_steps(step, args.warmup, args.steps),
+        "attn": "sdpa",
+        "fsdp": False,
+        "micro_batches": n_micro,
+        "loss": loss_box[-1] if loss_box else None,
+    }
     return out
 
 
@@ -256,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--micro", type=int, default=8, help="sequences per micro-batch (packed: micro x seq-len tokens)")
+    p.add_argument(
+        "--micro", type=int, default=8, help="sequences per micro-batch (packed: micro x seq-len tokens)"
+    )
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--group", type=int, default=4, help="GRPO group size")
     p.add_argument("--layers", type=int, default=24)
@@ -299,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         t0 = time.perf_counter()
         model_dir = build_model_dir(config, Path(tmp) / "model")
-        print(f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(
+            f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
         for name in configs:
             lengths = var if name.endswith("/var") else fixed
             batch = make_batch(lengths, config.vocab_size, args.prompt_len, args.group)
@@ -325,14 +388,22 @@ def main(argv: list[str] | None = None) -> int:
             seq_eff = sum(n * n for n in lengths) / tokens
             flops_tok = parallel.train_flops_per_token(config, seq_eff)
             step_s = statistics.median(res["times"])
-            res.update(tokens=tokens, padded_tokens=len(lengths) * max(lengths), step_s=step_s,
-                       tokens_per_s=tokens / step_s,
-                       mfu=parallel.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
-                       tflops=tokens / step_s * flops_tok / 1e12, wall_s=time.perf_counter() - t0,
-                       peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
+            res.update(
+                tokens=tokens,
+                padded_tokens=len(lengths) * max(lengths),
+                step_s=step_s,
+                tokens_per_s=tokens / step_s,
+                mfu=parallel.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
+                tflops=tokens / step_s * flops_tok / 1e12,
+                wall_s=time.perf_counter() - t0,
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            )
             results[name] = res
-            print(f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
-                  f"({res['wall_s']:.0f}s incl. set-up)", flush=True)
+            print(
+                f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
+                f"({res['wall_s']:.0f}s incl. set-up)",
+                flush=True,
+            )
     print_table(results, args, config)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
@@ -341,10 +412,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) -> None:
-    print(f"\nseq_len {args.seq_len}, batch {args.batch} sequences, micro-batch {args.micro}, {args.dtype}, "
-          f"{config.num_hidden_layers} layers x hidden {config.hidden_size}, vocab {config.vocab_size}")
-    header = f"{'config':16s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} " \
-             f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs bf16':>8s}"
+    print(
+        f"\nseq_len {args.seq_len}, batch {args.batch} sequences, micro-batch {args.micro}, {args.dtype}, "
+        f"{config.num_hidden_layers} layers x hidden {config.hidden_size}, vocab {config.vocab_size}"
+    )
+    header = (
+        f"{'config':16s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} "
+        f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs bf16':>8s}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -354,8 +429,10 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) 
         base = results.get("plain-bf16/var" if name.endswith("/var") else "plain-bf16", {})
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else float("nan")
         pad = 1 - r["tokens"] / r["padded_tokens"]
-        print(f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
-              f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_mem_gb']:7.1f} {ratio:8.2f}")
+        print(
+            f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
+            f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_mem_gb']:7.1f} {ratio:8.2f}"
+        )
     for name, r in results.items():
         if "packed_vs_padded_max_abs_dlogp" in r:
             print(f"{name}: packed vs padded log-probs, max |diff| {r['packed_vs_padded_max_abs_dlogp']:.3g}")

@@ -7,8 +7,17 @@ import sys
 from collections.abc import Callable
 
 SUBCOMMANDS: tuple[str, ...] = (
-    "up", "learner", "rollout", "reward", "ref", "config", "status", "plot", "make-tiny-model",
-    "export-hf", "train",
+    "up",
+    "learner",
+    "rollout",
+    "reward",
+    "ref",
+    "config",
+    "status",
+    "plot",
+    "make-tiny-model",
+    "export-hf",
+    "train",
 )
 
 

@@ -79,8 +79,14 @@ def pack(obj: Any) -> bytes:
 def unpack(data: bytes) -> Any:
     try:
         return msgpack.unpackb(
-            data, raw=False, ext_hook=_ext_hook, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES,
-            max_str_len=MAX_FRAME_BYTES, max_array_len=MAX_FRAME_BYTES, max_map_len=MAX_FRAME_BYTES,
+            data,
+            raw=False,
+            ext_hook=_ext_hook,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_str_len=MAX_FRAME_BYTES,
+            max_array_len=MAX_FRAME_BYTES,
+            max_map_len=MAX_FRAME_BYTES,
             max_ext_len=MAX_FRAME_BYTES,
         )
     except CodecError:

@@ -41,8 +41,11 @@ class ServiceProcess:
         out = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlbus.cli", self.service, *self.args], stdout=out, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
+            [sys.executable, "-m", "rlbus.cli", self.service, *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         out.close()
         return self
@@ -114,8 +117,10 @@ def check_loggers(cfg: RlbusConfig) -> str | None:
     import importlib.util
 
     if "wandb" in cfg.trainer.logger and importlib.util.find_spec("wandb") is None:
-        return ("trainer.logger names wandb, which is not installed: pip install 'rlbus[wandb]' (or wandb), "
-                "or drop it from trainer.logger")
+        return (
+            "trainer.logger names wandb, which is not installed: pip install 'rlbus[wandb]' (or wandb), "
+            "or drop it from trainer.logger"
+        )
     return None
 
 
@@ -166,7 +171,9 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     refused = None
     shown = 0
     notices_file = run_dir / NOTICES_FILE
-    notices_at = notices_file.stat().st_size if notices_file.exists() else 0  # a resume's old notices are said
+    notices_at = (
+        notices_file.stat().st_size if notices_file.exists() else 0
+    )  # a resume's old notices are said
     said: set[str] = set()
 
     def show_notices() -> None:
@@ -199,22 +206,37 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             for p in procs:
                 code = p.proc.poll() if p.proc is not None else None
                 action = supervisor.on_exit(p.name, code, time.monotonic())
-                if action is Action.REFUSED:  # its configuration cannot work: restarting it would loop forever
+                if (
+                    action is Action.REFUSED
+                ):  # its configuration cannot work: restarting it would loop forever
                     refused = p
                 elif action is Action.GIVE_UP:
                     gave_up = (p, int(code or 1))
                 elif action is Action.RESTART:
                     n = supervisor.restarts[p.name]
-                    log.warning("service exited; restarting it", service=p.name, rc=code, restart=n,
-                                max_restarts=cfg.run.max_restarts, log=str(p.log_path))
-                    print(f"rlbus: {p.name} exited with {code}; restarting it ({n}/{cfg.run.max_restarts})"
-                          + (", from its last checkpoint" if p is learner else ""), file=sys.stderr, flush=True)
+                    log.warning(
+                        "service exited; restarting it",
+                        service=p.name,
+                        rc=code,
+                        restart=n,
+                        max_restarts=cfg.run.max_restarts,
+                        log=str(p.log_path),
+                    )
+                    print(
+                        f"rlbus: {p.name} exited with {code}; restarting it ({n}/{cfg.run.max_restarts})"
+                        + (", from its last checkpoint" if p is learner else ""),
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     p.start()
                 if refused is not None or gave_up is not None:
                     break
             if refused is not None:
-                log.error("service refused its configuration; stopping the run", service=refused.name,
-                          log=str(refused.log_path))
+                log.error(
+                    "service refused its configuration; stopping the run",
+                    service=refused.name,
+                    log=str(refused.log_path),
+                )
                 rc = EXIT_REFUSED
                 break
             if gave_up is not None:
@@ -234,11 +256,18 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
     show_notices()
     if refused is not None:
-        print(f"rlbus: {refused.name} refused its configuration; see {refused.log_path}", file=sys.stderr, flush=True)
+        print(
+            f"rlbus: {refused.name} refused its configuration; see {refused.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif gave_up is not None:
-        print(f"rlbus: {gave_up[0].name} kept dying (exit {gave_up[1]} after {cfg.run.max_restarts} restarts, "
-              f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {gave_up[0].log_path}",
-              file=sys.stderr, flush=True)
+        print(
+            f"rlbus: {gave_up[0].name} kept dying (exit {gave_up[1]} after {cfg.run.max_restarts} restarts, "
+            f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {gave_up[0].log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif rc not in (0, None):
         print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
     return int(rc or 0)

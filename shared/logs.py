@@ -26,7 +26,9 @@ def setup_logging(level: str = "info", json_logs: bool = False, service: str | N
         structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
         _redact,
     ]
-    processors.append(structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False))
+    processors.append(
+        structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

@@ -43,7 +43,9 @@ class SamplingParams(BaseModel):
     max_tokens: int = 16
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
-    ignore_eos: bool = Field(False, description="run to max_tokens past end tokens (benchmarks: fixed lengths)")
+    ignore_eos: bool = Field(
+        False, description="run to max_tokens past end tokens (benchmarks: fixed lengths)"
+    )
 
 
 class PromptWork(Message):
@@ -57,7 +59,9 @@ class PromptWork(Message):
     min_policy_version: int = Field(ge=0, description="replicas must hold at least this version to generate")
     prompt_ids: list[int]
     prompt_text: str = ""
-    meta: dict[str, Any] = Field(default_factory=dict, description="task fields a verifier needs, e.g. answer")
+    meta: dict[str, Any] = Field(
+        default_factory=dict, description="task fields a verifier needs, e.g. answer"
+    )
     n: int = Field(ge=1)
     sampling: SamplingParams
     split: Literal["train", "val"] = "train"
@@ -134,10 +138,15 @@ class WeightAnnouncement(Message):
     shapes: list[list[int]]
     buckets: list[list[int]] = Field(description="tensor indices sent together in one flat broadcast")
     checksum: float = Field(description="sum of all values in fp64: the receiver checks it before swapping")
-    ipc_replicas: list[str] = Field(default_factory=list, description="replicas that read `ipc_buffer` instead")
+    ipc_replicas: list[str] = Field(
+        default_factory=list, description="replicas that read `ipc_buffer` instead"
+    )
     ipc_buffer: IpcBuffer | None = None
-    new_group: bool = Field(True, description="the group of this epoch forms now; False = it is already formed "
-                            "(only its members from before can take part)")
+    new_group: bool = Field(
+        True,
+        description="the group of this epoch forms now; False = it is already formed "
+        "(only its members from before can take part)",
+    )
 
 
 class Heartbeat(Message):
@@ -151,8 +160,11 @@ class Heartbeat(Message):
     stats: dict[str, float] = Field(default_factory=dict)
     host: str = ""
     device: str = Field("", description="where the weights live: 'cpu' or 'cuda:<GPU UUID>' (rollout)")
-    incarnation: str = Field("", description="new at every process start: a restarted replica under the same "
-                             "id is a new member of the weight group")
+    incarnation: str = Field(
+        "",
+        description="new at every process start: a restarted replica under the same "
+        "id is a new member of the weight group",
+    )
 
 
 class WeightAck(Message):
@@ -165,7 +177,13 @@ class WeightAck(Message):
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    PromptWork, TrajectoryGroup, ScoredGroup, ReadyGroup, WeightAnnouncement, Heartbeat, WeightAck,
+    PromptWork,
+    TrajectoryGroup,
+    ScoredGroup,
+    ReadyGroup,
+    WeightAnnouncement,
+    Heartbeat,
+    WeightAck,
 )
 _BY_KIND = {m.kind: m for m in ALL_MESSAGES}
 

@@ -29,8 +29,14 @@ def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, loggers: list[str], total_steps: int | None = None,
-                 project: str = "rlbus", experiment: str = "run") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        loggers: list[str],
+        total_steps: int | None = None,
+        project: str = "rlbus",
+        experiment: str = "run",
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = set(loggers)

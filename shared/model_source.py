@@ -12,5 +12,7 @@ def resolve_model_path(path: Path | str | None) -> Path:
         return ensure_default_model()
     resolved = Path(path).expanduser()
     if not (resolved / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={resolved} is not a Hugging Face checkpoint dir (no config.json)")
+        raise FileNotFoundError(
+            f"model.path={resolved} is not a Hugging Face checkpoint dir (no config.json)"
+        )
     return resolved

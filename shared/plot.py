@@ -32,8 +32,10 @@ def load_rows(run_dir: str | Path) -> list[dict[str, Any]]:
     """Rows of metrics.jsonl; a torn last line (the run is still writing) is skipped."""
     path = _metrics_path(run_dir)
     if not path.is_file():
-        raise PlotError(f"no metrics file at {path} (is {Path(run_dir)} a run directory? runs write "
-                        f"{METRICS_FILE} when trainer.logger includes jsonl)")
+        raise PlotError(
+            f"no metrics file at {path} (is {Path(run_dir)} a run directory? runs write "
+            f"{METRICS_FILE} when trainer.logger includes jsonl)"
+        )
     rows = []
     lines = path.read_text(errors="replace").splitlines()
     for n, line in enumerate(lines, 1):
@@ -103,8 +105,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     if series(rows, "perf/tokens_per_s")[1]:
         panels.append(("throughput (tokens/s)", [("perf/tokens_per_s", "line")]))
     if not panels:
-        raise PlotError(f"{_metrics_path(run_dir)} has {len(rows)} rows but none of reward/mean, "
-                        "reward/accuracy, val/accuracy, KL, response/length_mean, perf/tokens_per_s")
+        raise PlotError(
+            f"{_metrics_path(run_dir)} has {len(rows)} rows but none of reward/mean, "
+            "reward/accuracy, val/accuracy, KL, response/length_mean, perf/tokens_per_s"
+        )
 
     cols = 2 if len(panels) > 1 else 1
     nrows = math.ceil(len(panels) / cols)
@@ -122,7 +126,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
             ax.grid(True, alpha=0.3)
             if len(keys) > 1:
                 ax.legend(loc="best", fontsize=8)
-        for ax in list(axes.flat)[len(panels):]:
+        for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
         last = rows[-1]
         fig.suptitle(f"{Path(run_dir).name}: {len(rows)} rows, last step {int(last['step'])}", fontsize=10)

@@ -19,7 +19,9 @@ from rlbus.messages import Heartbeat
 
 EXIT_REFUSED = 2  # a service's configuration cannot work: supervisors must not restart it (rlbus up stops)
 EXIT_STALLED = 3  # the learner waited past trainer.batch_timeout_s for data: a restart may get it going
-EXIT_PUSH_FAILED = 4  # weight pushes failed for one reason weight_push_max_failures times: a restart would too
+EXIT_PUSH_FAILED = (
+    4  # weight pushes failed for one reason weight_push_max_failures times: a restart would too
+)
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_STATUS_POLL_S = 0.25  # how soon a status change goes out
 
@@ -55,9 +57,15 @@ class ServiceContext:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
-            run_id=self.cfg.run.id, service=self.service, instance_id=self.instance_id,
-            policy_version=self.policy_version, time=time.time(), status=self.status,
-            stats=dict(self.stats), host=socket.gethostname(), device=self.device,
+            run_id=self.cfg.run.id,
+            service=self.service,
+            instance_id=self.instance_id,
+            policy_version=self.policy_version,
+            time=time.time(),
+            status=self.status,
+            stats=dict(self.stats),
+            host=socket.gethostname(),
+            device=self.device,
             incarnation=self.incarnation,
         )
 
@@ -111,8 +119,17 @@ async def run_service(
     bus = await Bus.open(cfg, url, name=instance_id)
     try:
         state = await bus.state()
-        ctx = ServiceContext(cfg=cfg, service=service, instance_id=instance_id, bus=bus, state=state, stop=stop,
-                             log=log, health=health, metrics=metrics)
+        ctx = ServiceContext(
+            cfg=cfg,
+            service=service,
+            instance_id=instance_id,
+            bus=bus,
+            state=state,
+            stop=stop,
+            log=log,
+            health=health,
+            metrics=metrics,
+        )
         hb = asyncio.create_task(_heartbeat_loop(ctx))
         from rlbus.bus import redact_url
 

@@ -36,14 +36,22 @@ async def _open_state(bus: Any) -> Any:
     try:
         kv = await bus.js.key_value(bus.names.state_bucket)
     except (BucketNotFoundError, NotFoundError) as exc:
-        raise RunNotFound(f"run {bus.run_id!r} has no state on this server (never started, or deleted)") from exc
+        raise RunNotFound(
+            f"run {bus.run_id!r} has no state on this server (never started, or deleted)"
+        ) from exc
     return RunState(kv, bus.names)
 
 
 async def _stage_info(bus: Any, stage: Any) -> dict[str, Any]:
     from nats.js.errors import NotFoundError
 
-    out: dict[str, Any] = {"depth": None, "pending": None, "in_work": None, "consumers": [], "dead_letters": None}
+    out: dict[str, Any] = {
+        "depth": None,
+        "pending": None,
+        "in_work": None,
+        "consumers": [],
+        "dead_letters": None,
+    }
     try:
         out["depth"] = await bus.stream_depth(stage)
     except NotFoundError:
@@ -76,11 +84,18 @@ async def collect_status(bus: Any, alive_s: float = ALIVE_S) -> dict[str, Any]:
     for service in SERVICES:
         for hb in await state.heartbeats(service):
             age = max(0.0, now - float(hb.time))
-            instances.append({
-                "service": hb.service, "instance": hb.instance_id, "status": hb.status, "age_s": age,
-                "alive": age <= alive_s, "policy_version": int(hb.policy_version), "host": hb.host,
-                "stats": {k: float(v) for k, v in hb.stats.items()},
-            })
+            instances.append(
+                {
+                    "service": hb.service,
+                    "instance": hb.instance_id,
+                    "status": hb.status,
+                    "age_s": age,
+                    "alive": age <= alive_s,
+                    "policy_version": int(hb.policy_version),
+                    "host": hb.host,
+                    "stats": {k: float(v) for k, v in hb.stats.items()},
+                }
+            )
     instances.sort(key=lambda r: (SERVICES.index(r["service"]), r["instance"]))
     stages = {stage.value: await _stage_info(bus, stage) for stage in Stage}
     try:
@@ -88,8 +103,13 @@ async def collect_status(bus: Any, alive_s: float = ALIVE_S) -> dict[str, Any]:
     except Exception:
         dead_total = None
     return {
-        "run_id": bus.run_id, "time": now, "policy_version": policy_version, "alive_s": alive_s,
-        "instances": instances, "stages": stages, "dead_letters_total": dead_total,
+        "run_id": bus.run_id,
+        "time": now,
+        "policy_version": policy_version,
+        "alive_s": alive_s,
+        "instances": instances,
+        "stages": stages,
+        "dead_letters_total": dead_total,
     }
 
 
@@ -108,7 +128,10 @@ def _age(seconds: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(len(header))]
+    widths = [
+        max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i])
+        for i in range(len(header))
+    ]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header).rstrip(), *(fmt.format(*r).rstrip() for r in rows)]
 
@@ -139,21 +162,51 @@ def render_status(snapshot: dict[str, Any]) -> str:
         for r in instances:
             stats = dict(r.get("stats") or {})
             lag = version - int(r["policy_version"]) if r["service"] == "rollout" else None
-            others = " ".join(f"{k}={_num(v, '{:.4g}')}" for k, v in sorted(stats.items()) if k not in _MAIN_STATS)
-            rows.append([
-                r["service"], r["instance"], r.get("status") or "-", _age(float(r["age_s"])),
-                "yes" if r.get("alive") else "NO", str(r["policy_version"]), _num(lag),
-                _num(stats.get("tokens_per_s")), _num(stats.get("groups")), others,
-            ])
-        lines += _table(["SERVICE", "INSTANCE", "STATUS", "HEARTBEAT", "ALIVE", "VERSION", "LAG", "TOK/S",
-                         "GROUPS", "STATS"], rows)
+            others = " ".join(
+                f"{k}={_num(v, '{:.4g}')}" for k, v in sorted(stats.items()) if k not in _MAIN_STATS
+            )
+            rows.append(
+                [
+                    r["service"],
+                    r["instance"],
+                    r.get("status") or "-",
+                    _age(float(r["age_s"])),
+                    "yes" if r.get("alive") else "NO",
+                    str(r["policy_version"]),
+                    _num(lag),
+                    _num(stats.get("tokens_per_s")),
+                    _num(stats.get("groups")),
+                    others,
+                ]
+            )
+        lines += _table(
+            [
+                "SERVICE",
+                "INSTANCE",
+                "STATUS",
+                "HEARTBEAT",
+                "ALIVE",
+                "VERSION",
+                "LAG",
+                "TOK/S",
+                "GROUPS",
+                "STATS",
+            ],
+            rows,
+        )
     lines.append("")
     stage_rows = []
     for stage, info in (snapshot.get("stages") or {}).items():
-        stage_rows.append([
-            stage, _num(info.get("depth")), _num(info.get("pending")), _num(info.get("in_work")),
-            _num(info.get("dead_letters")), ",".join(info.get("consumers") or []) or "-",
-        ])
+        stage_rows.append(
+            [
+                stage,
+                _num(info.get("depth")),
+                _num(info.get("pending")),
+                _num(info.get("in_work")),
+                _num(info.get("dead_letters")),
+                ",".join(info.get("consumers") or []) or "-",
+            ]
+        )
     lines += _table(["STAGE", "DEPTH", "QUEUED", "IN-WORK", "DEAD-LETTERS", "CONSUMERS"], stage_rows)
     lines.append(f"dead letters in total: {_num(snapshot.get('dead_letters_total'))}")
     return "\n".join(lines) + "\n"
@@ -205,8 +258,12 @@ async def _status(cfg: RlbusConfig, url: str, watch: bool) -> int:
             except Exception as exc:  # the server went away: once, that is the answer; watching, wait for it
                 if not watch:
                     raise
-                print(f"rlbus status: bus {redact_url(url)} unreachable ({type(exc).__name__}: {exc}); "
-                      "retrying", file=sys.stderr, flush=True)
+                print(
+                    f"rlbus status: bus {redact_url(url)} unreachable ({type(exc).__name__}: {exc}); "
+                    "retrying",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 snapshot["progress"] = _progress(cfg)
                 text = render_status(snapshot)
@@ -235,16 +292,21 @@ def run_status(cfg: RlbusConfig, watch: bool = False) -> int:
     setup_logging("critical", service=None)  # bus chatter (reconnects) must not mix into the table
     url = status_url(cfg)
     if url is None:
-        print("rlbus status: no NATS server answers at nats://127.0.0.1:4222 and bus.url is not set; "
-              "pass --config <run_dir>/config.yaml or bus.url=nats://host:4222", file=sys.stderr)
+        print(
+            "rlbus status: no NATS server answers at nats://127.0.0.1:4222 and bus.url is not set; "
+            "pass --config <run_dir>/config.yaml or bus.url=nats://host:4222",
+            file=sys.stderr,
+        )
         return 1
     try:
         return asyncio.run(_status(cfg, url, watch))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:  # a server that goes away mid-read: say so, no traceback
-        print(f"rlbus status: cannot read run {cfg.run.id!r} from {redact_url(url)}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        print(
+            f"rlbus status: cannot read run {cfg.run.id!r} from {redact_url(url)}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -117,17 +117,30 @@ def make_config(tokenizer, **overrides):
     return Qwen2Config(**kwargs)
 
 
-def build_random_qwen2(out_dir: Path, hidden: int, layers: int, kv_heads: int, intermediate: int,
-                       max_positions: int = MAX_POSITIONS) -> tuple[Path, int]:
+def build_random_qwen2(
+    out_dir: Path,
+    hidden: int,
+    layers: int,
+    kv_heads: int,
+    intermediate: int,
+    max_positions: int = MAX_POSITIONS,
+) -> tuple[Path, int]:
     """A random-weight Qwen2 of a given shape (head_dim 64) on the tiny character tokenizer, saved to
     `out_dir`, seed 0: benchmarks compare engines on a model where compute, not bookkeeping, dominates,
     without downloading one. Returns the folder and the parameter count."""
     from transformers import Qwen2ForCausalLM
 
     tok = build_tokenizer(out_dir)
-    config = make_config(tok, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=kv_heads, head_dim=64, intermediate_size=intermediate,
-                         max_position_embeddings=max_positions)
+    config = make_config(
+        tok,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        intermediate_size=intermediate,
+        max_position_embeddings=max_positions,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(str(out_dir))

@@ -13,8 +13,12 @@ from rlbus.launcher import ServiceProcess, service_processes
 from rlbus.metrics_log import read_metrics
 
 FAST = [
-    "trainer.logger=[jsonl]", "bus.ack_wait_s=8", "trainer.replica_timeout_s=8", "trainer.weight_push_timeout_s=30",
-    "trainer.batch_timeout_s=120", "logging.level=info",
+    "trainer.logger=[jsonl]",
+    "bus.ack_wait_s=8",
+    "trainer.replica_timeout_s=8",
+    "trainer.weight_push_timeout_s=30",
+    "trainer.batch_timeout_s=120",
+    "logging.level=info",
 ]
 
 
@@ -24,15 +28,28 @@ def rlbus_up(
     """`rlbus up` as a user runs it (console output captured), on the test's NATS and run dir; later
     overrides win over the defaults given here."""
     return subprocess.run(
-        [sys.executable, "-m", "rlbus.cli", "up", f"bus.url={nats_url}", f"run.id={run_id}",
-         f"run.dir={tmp_path / 'runs'}", "trainer.logger=[jsonl]", *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            f"bus.url={nats_url}",
+            f"run.id={run_id}",
+            f"run.dir={tmp_path / 'runs'}",
+            "trainer.logger=[jsonl]",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
     )
 
 
 def make_config(nats_url: str, run_id: str, tmp_path: Path, overrides: list[str]) -> RlbusConfig:
-    return load_config(None, [f"bus.url={nats_url}", f"run.id={run_id}", f"run.dir={tmp_path / 'runs'}", *FAST,
-                              *overrides])
+    return load_config(
+        None, [f"bus.url={nats_url}", f"run.id={run_id}", f"run.dir={tmp_path / 'runs'}", *FAST, *overrides]
+    )
 
 
 class Run:

@@ -15,8 +15,13 @@ from e2e_utils import Run, make_config
 
 SHORT_STEPS = 6
 SHORT = [
-    f"trainer.total_training_steps={SHORT_STEPS}", "trainer.async_level=1", "rollout.replicas=1",
-    "data.train_batch_size=4", "rollout.n=4", "rollout.prompts_per_batch=4", "trainer.test_freq=-1",
+    f"trainer.total_training_steps={SHORT_STEPS}",
+    "trainer.async_level=1",
+    "rollout.replicas=1",
+    "data.train_batch_size=4",
+    "rollout.n=4",
+    "rollout.prompts_per_batch=4",
+    "trainer.test_freq=-1",
     "trainer.val_before_train=false",
     # two optimizer steps per batch: the second one's ratios differ from 1, so the clips are exercised
     "actor.ppo_mini_batch_size=2",
@@ -24,15 +29,30 @@ SHORT = [
 
 ALGORITHMS: dict[str, list[str]] = {
     "grpo": ["algorithm.adv_estimator=grpo"],
-    "ppo_gae": ["algorithm.adv_estimator=gae", "algorithm.gamma=1.0", "algorithm.lam=1.0",
-                "critic.optim.lr=1e-4"],
+    "ppo_gae": [
+        "algorithm.adv_estimator=gae",
+        "algorithm.gamma=1.0",
+        "algorithm.lam=1.0",
+        "critic.optim.lr=1e-4",
+    ],
     "rloo": ["algorithm.adv_estimator=rloo"],
     "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus"],
-    "dapo": ["algorithm.adv_estimator=grpo", "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.28",
-             "algorithm.dynamic_sampling=true", "actor.loss_agg_mode=token-mean",
-             "algorithm.overlong_buffer_len=4", "algorithm.overlong_penalty_factor=1.0"],
-    "gspo": ["algorithm.adv_estimator=grpo", "actor.policy_loss=gspo", "actor.clip_ratio_low=3e-4",
-             "actor.clip_ratio_high=4e-4", "actor.loss_agg_mode=seq-mean-token-mean"],
+    "dapo": [
+        "algorithm.adv_estimator=grpo",
+        "actor.clip_ratio_low=0.2",
+        "actor.clip_ratio_high=0.28",
+        "algorithm.dynamic_sampling=true",
+        "actor.loss_agg_mode=token-mean",
+        "algorithm.overlong_buffer_len=4",
+        "algorithm.overlong_penalty_factor=1.0",
+    ],
+    "gspo": [
+        "algorithm.adv_estimator=grpo",
+        "actor.policy_loss=gspo",
+        "actor.clip_ratio_low=3e-4",
+        "actor.clip_ratio_high=4e-4",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+    ],
     "dr_grpo": ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
 }
 
@@ -60,7 +80,12 @@ def test_algorithm_trains_through_the_services(algo: str, nats_url: str, run_id:
     if algo == "gspo":  # sequence-level ratios after one step are far outside 1 +- 4e-4
         assert max(r["actor/clipfrac"] for r in train) > 0.2, [r["actor/clipfrac"] for r in train]
     if algo == "ppo_gae":
-        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_variance"):
+        for key in (
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/values_mean",
+            "critic/explained_variance",
+        ):
             assert _finite(train, key), (key, [r.get(key) for r in train])
         assert train[0]["critic/values_mean"] == 0.0  # zero-init head
         assert train[-1]["critic/values_mean"] != 0.0  # ... that the value update moved
@@ -76,8 +101,14 @@ def test_algorithm_trains_through_the_services(algo: str, nats_url: str, run_id:
 
 
 RISING = [
-    "trainer.total_training_steps=100", "trainer.async_level=1", "rollout.replicas=1", "data.train_batch_size=16",
-    "rollout.n=8", "trainer.test_freq=50", "trainer.val_before_train=true", "data.num_val_examples=256",
+    "trainer.total_training_steps=100",
+    "trainer.async_level=1",
+    "rollout.replicas=1",
+    "data.train_batch_size=16",
+    "rollout.n=8",
+    "trainer.test_freq=50",
+    "trainer.val_before_train=true",
+    "data.num_val_examples=256",
     "data.val_batch_size=256",
 ]
 

@@ -25,22 +25,40 @@ from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
 from rlbus.tiny_model import default_model_path
 
 torch.set_num_threads(1)
-OVERRIDES = ["actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=3", "actor.optim.lr_scheduler=cosine",
-             "algorithm.kl_ctrl.type=adaptive", "actor.optim.weight_decay=0.01"]
+OVERRIDES = [
+    "actor.optim.lr=1e-3",
+    "actor.optim.lr_warmup_steps=3",
+    "actor.optim.lr_scheduler=cosine",
+    "algorithm.kl_ctrl.type=adaptive",
+    "actor.optim.weight_decay=0.01",
+]
 
 
 def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) -> ReadyGroup:
-    work = PromptWork(run_id="r", prompt_id=f"p{prompt}", index=0, step=0, min_policy_version=0, prompt_ids=prompt,
-                      n=len(responses), sampling=SamplingParams())
+    work = PromptWork(
+        run_id="r",
+        prompt_id=f"p{prompt}",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=prompt,
+        n=len(responses),
+        sampling=SamplingParams(),
+    )
     samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.5, dtype=np.float32)) for r in responses]
     traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
-    return ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards]))
+    return ReadyGroup(
+        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
+    )
 
 
 def _batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     tok = lambda n: torch.randint(3, 40, (n,), generator=g).tolist()  # noqa: E731
-    groups = [_group(tok(4), [tok(3), tok(2), tok(4)], [1.0, 0.0, 0.0]), _group(tok(3), [tok(2), tok(5)], [0.0, 1.0])]
+    groups = [
+        _group(tok(4), [tok(3), tok(2), tok(4)], [1.0, 0.0, 0.0]),
+        _group(tok(3), [tok(2), tok(5)], [0.0, 1.0]),
+    ]
     return collate(groups, pad_id=0)
 
 
@@ -63,7 +81,9 @@ def trained() -> PolicyTrainer:
     return t
 
 
-def test_round_trip_restores_model_optimizer_scheduler_rng_and_loader(trained: PolicyTrainer, tmp_path: Path) -> None:
+def test_round_trip_restores_model_optimizer_scheduler_rng_and_loader(
+    trained: PolicyTrainer, tmp_path: Path
+) -> None:
     records = load_split(load_config(None, ["data.num_train_examples=40"]).data, "train")
     loader = PromptLoader(records, seed=3)
     for _ in range(53):  # past an epoch boundary
@@ -71,8 +91,9 @@ def test_round_trip_restores_model_optimizer_scheduler_rng_and_loader(trained: P
     torch.manual_seed(11)
     np.random.seed(12)
     random.seed(13)
-    path = ck.save_checkpoint(ck.step_dir(tmp_path, 2), trained, {"step": 2, "loader": loader.state_dict(),
-                                                                  "policy_version": 2})
+    path = ck.save_checkpoint(
+        ck.step_dir(tmp_path, 2), trained, {"step": 2, "loader": loader.state_dict(), "policy_version": 2}
+    )
     expected_draws = (torch.rand(3), np.random.rand(3), random.random())
     expected_next = [loader.next().prompt for _ in range(5)]
 
@@ -109,8 +130,9 @@ def test_round_trip_restores_model_optimizer_scheduler_rng_and_loader(trained: P
         assert torch.equal(fresh.model.state_dict()[k], v), k
 
 
-def test_crash_while_saving_leaves_nothing_resume_would_load(trained: PolicyTrainer, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_while_saving_leaves_nothing_resume_would_load(
+    trained: PolicyTrainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = ck.checkpoint_root(tmp_path)
     ck.save_checkpoint(ck.step_dir(root, 3), trained, {"step": 3})
     real = ck._write_json
@@ -185,8 +207,17 @@ class _FakeBus:
 
 
 def test_dispatcher_redispatches_first_with_new_ids_and_per_prompt_seeds() -> None:
-    cfg = load_config(None, ["data.num_train_examples=20", "data.train_batch_size=3", "trainer.async_level=0",
-                             "rollout.seed_per_prompt=true", "rollout.seed=5", "run.id=r"])
+    cfg = load_config(
+        None,
+        [
+            "data.num_train_examples=20",
+            "data.train_batch_size=3",
+            "trainer.async_level=0",
+            "rollout.seed_per_prompt=true",
+            "rollout.seed=5",
+            "run.id=r",
+        ],
+    )
     records = load_split(cfg.data, "train")
     tok = load_tokenizer(default_model_path())
     reference = PromptLoader(records, seed=cfg.data.seed)
@@ -222,7 +253,9 @@ def _rows(tok) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-def test_export_hf_loads_in_transformers_with_the_learners_logprobs(trained: PolicyTrainer, tmp_path: Path) -> None:
+def test_export_hf_loads_in_transformers_with_the_learners_logprobs(
+    trained: PolicyTrainer, tmp_path: Path
+) -> None:
     from rlbus.cli import main
 
     tok = load_tokenizer(default_model_path())
@@ -246,7 +279,9 @@ def test_export_hf_loads_in_transformers_with_the_learners_logprobs(trained: Pol
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, atol=1e-6)
     before = response_logprobs(base, prompts, responses, tok.pad_token_id)
-    assert max(float(np.abs(a - b).max()) for a, b in zip(before, want, strict=True)) > 1e-3, "training moved it"
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before, want, strict=True)) > 1e-3, (
+        "training moved it"
+    )
 
 
 @pytest.mark.vllm
@@ -285,11 +320,21 @@ def test_ppo_critic_survives_a_checkpoint(tmp_path) -> None:
     from rlbus.tiny_model import default_model_path
 
     cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2"])
-    work = PromptWork(run_id="r", prompt_id="p", index=0, step=0, min_policy_version=0, prompt_ids=[3, 4, 5], n=2,
-                      sampling=SamplingParams())
+    work = PromptWork(
+        run_id="r",
+        prompt_id="p",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=[3, 4, 5],
+        n=2,
+        sampling=SamplingParams(),
+    )
     samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, np.float32)) for r in ([6, 7], [8])]
     traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
-    batch = collate([ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=[1.0, 0.0], correct=[True, False]))], 0)
+    batch = collate(
+        [ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=[1.0, 0.0], correct=[True, False]))], 0
+    )
     trained = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=4)
     trained.train_step(batch)
     save_checkpoint(tmp_path / "step_1", trained, {"step": 1})
@@ -297,7 +342,10 @@ def test_ppo_critic_survives_a_checkpoint(tmp_path) -> None:
     assert not torch.allclose(fresh.critic.values(batch), trained.critic.values(batch))
     load_checkpoint(tmp_path / "step_1", fresh)
     assert torch.allclose(fresh.critic.values(batch), trained.critic.values(batch))
-    assert fresh.critic.scheduler.state_dict()["last_epoch"] == trained.critic.scheduler.state_dict()["last_epoch"]
+    assert (
+        fresh.critic.scheduler.state_dict()["last_epoch"]
+        == trained.critic.scheduler.state_dict()["last_epoch"]
+    )
 
 
 def test_lora_final_export_holds_the_merged_weights(tmp_path) -> None:
@@ -311,8 +359,12 @@ def test_lora_final_export_holds_the_merged_weights(tmp_path) -> None:
     from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
     from rlbus.tiny_model import default_model_path
 
-    trainer = PolicyTrainer(load_config(None, ["model.lora_rank=4", "model.lora_alpha=8"]), default_model_path(),
-                            torch.device("cpu"), total_steps=2)
+    trainer = PolicyTrainer(
+        load_config(None, ["model.lora_rank=4", "model.lora_alpha=8"]),
+        default_model_path(),
+        torch.device("cpu"),
+        total_steps=2,
+    )
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:

@@ -20,9 +20,16 @@ VOCAB = 4096
 
 def _model_dir(tmp_path: Path) -> Path:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "model"))
     return tmp_path / "model"
 
@@ -36,10 +43,17 @@ def _batch(rows: int, width: int, prompt: int = 4) -> TrainBatch:
     resp[:, prompt - 1 :] = 1.0
     resp[0, width // 2 - 1 :] = 0.0
     return TrainBatch(
-        input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), response_mask=resp,
-        behaviour_logprobs=-torch.rand(rows, width - 1, generator=g) * resp, ref_logprobs=None,
-        rewards=torch.rand(rows, generator=g), correct=torch.zeros(rows, dtype=torch.bool),
-        group_ids=torch.arange(rows) // 4, policy_versions=torch.zeros(rows, dtype=torch.long), temperature=1.0,
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_mask(mask),
+        response_mask=resp,
+        behaviour_logprobs=-torch.rand(rows, width - 1, generator=g) * resp,
+        ref_logprobs=None,
+        rewards=torch.rand(rows, generator=g),
+        correct=torch.zeros(rows, dtype=torch.bool),
+        group_ids=torch.arange(rows) // 4,
+        policy_versions=torch.zeros(rows, dtype=torch.long),
+        temperature=1.0,
     )
 
 
@@ -51,8 +65,15 @@ def test_values_and_gradients_match_full_logits(tmp_path: Path, temperature: flo
     grads = []
     for chunk in (0, 7):  # 0: the full-logits path; 7 does not divide the token count
         model.zero_grad()
-        lp, ent = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids, temperature,
-                                 return_entropy=True, chunk_tokens=chunk)
+        lp, ent = token_logprobs(
+            model,
+            b.input_ids,
+            b.attention_mask,
+            b.position_ids,
+            temperature,
+            return_entropy=True,
+            chunk_tokens=chunk,
+        )
         m = b.response_mask
         ((lp * m).sum() * 0.3 + (ent * m).sum() * 0.1 + (lp.exp() * m).sum()).backward()
         grads.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -95,8 +116,16 @@ class _LargestAllocation(TorchDispatchMode):
 
 
 def _largest_in_train_step(model_dir: Path, chunk_overrides: list[str]) -> int:
-    cfg = load_config(None, [f"model.path={model_dir}", "trainer.device=cpu", "actor.ppo_micro_batch_size=8",
-                             "actor.entropy_coeff=0.01", *chunk_overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "trainer.device=cpu",
+            "actor.ppo_micro_batch_size=8",
+            "actor.entropy_coeff=0.01",
+            *chunk_overrides,
+        ],
+    )
     trainer = PolicyTrainer(cfg, model_dir, torch.device("cpu"), total_steps=10)
     with _LargestAllocation() as probe:
         metrics = trainer.train_step(_batch(8, 128))

@@ -20,13 +20,24 @@ def test_defaults_are_the_embedded_demo() -> None:
 
 
 def test_dotted_overrides_and_verl_spellings() -> None:
-    cfg = load_config(None, [
-        "data.train_batch_size=64", "actor_rollout_ref.model.path=/x", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.actor.optim.lr=3e-6", "algorithm.kl_ctrl.kl_coef=0.05", "trainer.total_epochs=2",
-        "trainer.save_freq=10", "trainer.test_freq=5", "trainer.val_before_train=true",
-        "trainer.logger=['console','wandb']", "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
-        "actor_rollout_ref.rollout.n=4",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "data.train_batch_size=64",
+            "actor_rollout_ref.model.path=/x",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+            "trainer.total_epochs=2",
+            "trainer.save_freq=10",
+            "trainer.test_freq=5",
+            "trainer.val_before_train=true",
+            "trainer.logger=['console','wandb']",
+            "trainer.n_gpus_per_node=8",
+            "trainer.nnodes=2",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+    )
     assert cfg.data.train_batch_size == 64
     assert str(cfg.model.path) == "/x"
     assert cfg.rollout.name == "vllm" and cfg.rollout.n == 4
@@ -47,11 +58,15 @@ def test_canonical_key_mapping() -> None:
 
 def test_yaml_then_env_then_cli(tmp_path, monkeypatch) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({
-        "data": {"train_batch_size": 8, "seed": 3},
-        "actor_rollout_ref": {"rollout": {"n": 2}, "model": {"path": "/from/yaml"}},
-        "rollout": {"temperature": 0.5},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"train_batch_size": 8, "seed": 3},
+                "actor_rollout_ref": {"rollout": {"n": 2}, "model": {"path": "/from/yaml"}},
+                "rollout": {"temperature": 0.5},
+            }
+        )
+    )
     cfg = load_config(path)
     assert cfg.data.train_batch_size == 8 and cfg.rollout.n == 2 and str(cfg.model.path) == "/from/yaml"
     monkeypatch.setenv("RLBUS_DATA__TRAIN_BATCH_SIZE", "16")
@@ -93,7 +108,9 @@ def test_override_syntax_error() -> None:
 
 
 def _rlbus(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_cli_config_show_applies_overrides() -> None:
@@ -111,6 +128,18 @@ def test_cli_config_show_rejects_bad_value() -> None:
 
 
 def test_version() -> None:
-    out = subprocess.run([sys.executable, "-c", "import rlbus; print(rlbus.__version__)"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-c", "import rlbus; print(rlbus.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and out.stdout.strip()
+
+
+def test_replica_weight_wait_stays_below_the_learner_batch_timeout() -> None:
+    """Neither side may outwait the other: a replica holding work gives it back before the learner stalls."""
+    assert load_config(None, ["trainer.batch_timeout_s=120"]).weight_wait_s == 60.0
+    assert load_config(None, ["rollout.weight_wait_timeout_s=30"]).weight_wait_s == 30.0
+    with pytest.raises(ConfigError, match=r"rollout\.weight_wait_timeout_s=300 must be below trainer\.batch_timeout_s"):
+        load_config(None, ["rollout.weight_wait_timeout_s=300", "trainer.batch_timeout_s=300"])

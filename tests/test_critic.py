@@ -17,16 +17,28 @@ from rlbus.tiny_model import default_model_path
 
 
 def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) -> ReadyGroup:
-    work = PromptWork(run_id="r", prompt_id=f"p{prompt}", index=0, step=0, min_policy_version=0, prompt_ids=prompt,
-                      n=len(responses), sampling=SamplingParams())
+    work = PromptWork(
+        run_id="r",
+        prompt_id=f"p{prompt}",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=prompt,
+        n=len(responses),
+        sampling=SamplingParams(),
+    )
     samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, dtype=np.float32)) for r in responses]
     traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
-    return ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards]))
+    return ReadyGroup(
+        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
+    )
 
 
 def _batch():
-    groups = [_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-              _group([12, 13], [[14], [15, 16]], [0.0, 1.0])]
+    groups = [
+        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+    ]
     return collate(groups, pad_id=0)
 
 
@@ -86,8 +98,12 @@ def test_update_reduces_value_loss_on_a_fixed_batch() -> None:
     assert first["critic/vf_loss"] > 0
     assert metrics["critic/vf_loss"] < 0.5 * first["critic/vf_loss"], (first, metrics)
     assert metrics["critic/explained_variance"] > first["critic/explained_variance"]
-    assert set(metrics) >= {"critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean",
-                            "critic/explained_variance"}
+    assert set(metrics) >= {
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/values_mean",
+        "critic/explained_variance",
+    }
 
 
 def test_value_clip_bounds_the_step() -> None:
@@ -111,8 +127,16 @@ def test_explained_variance() -> None:
 
 def test_ppo_gae_train_step_updates_policy_and_critic() -> None:
     torch.manual_seed(0)
-    cfg = load_config(None, ["algorithm.adv_estimator=gae", "actor.optim.lr=1e-3", "critic.optim.lr=1e-3",
-                             "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.adv_estimator=gae",
+            "actor.optim.lr=1e-3",
+            "critic.optim.lr=1e-3",
+            "actor.ppo_mini_batch_size=1",
+            "actor.ppo_micro_batch_size=2",
+        ],
+    )
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
     assert trainer.critic is not None
     policy_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -133,8 +157,14 @@ def test_ppo_gae_train_step_updates_policy_and_critic() -> None:
 def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
     from rlbus.learner.trainer import shaped_rewards
 
-    cfg = load_config(None, ["data.max_response_length=3", "algorithm.overlong_buffer_len=2",
-                             "algorithm.overlong_penalty_factor=1.0"])
+    cfg = load_config(
+        None,
+        [
+            "data.max_response_length=3",
+            "algorithm.overlong_buffer_len=2",
+            "algorithm.overlong_penalty_factor=1.0",
+        ],
+    )
     batch = _batch()  # response lengths 2, 1, 3, 1, 2
     rewards, metrics = shaped_rewards(cfg, batch)
     assert rewards.tolist() == pytest.approx([1.0 - 0.5, 0.0, 0.0 - 1.0, 0.0, 1.0 - 0.5])
@@ -146,14 +176,24 @@ def test_overlong_penalty_shapes_rewards_before_advantages() -> None:
 def test_ppo_gae_with_kl_in_reward() -> None:
     """KL in the reward: token rewards get -kl_coef * KL(old || ref) on every token before GAE."""
     torch.manual_seed(0)
-    cfg = load_config(None, ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-                             "algorithm.kl_ctrl.kl_coef=0.1", "actor.optim.lr=1e-3"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.kl_coef=0.1",
+            "actor.optim.lr=1e-3",
+        ],
+    )
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
-    groups = [_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-              _group([12, 13], [[14], [15, 16]], [0.0, 1.0])]
+    groups = [
+        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+    ]
     for g in groups:  # a reference that disagrees with the policy: a non-zero KL on every token
-        g.ref_logprobs = [np.full(len(s.response_ids), -50.0, dtype=np.float32)
-                          for s in g.scored.trajectories.samples]
+        g.ref_logprobs = [
+            np.full(len(s.response_ids), -50.0, dtype=np.float32) for s in g.scored.trajectories.samples
+        ]
     batch = collate(groups, pad_id=0)
     metrics = trainer.train_step(batch)
     assert all(np.isfinite(v) for v in metrics.values()), metrics

@@ -22,14 +22,25 @@ def _mean(rows: list[dict], key: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_path: Path) -> None:
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=1", "rollout.replicas=2", "trainer.total_training_steps=150",
-        "data.train_batch_size=16", "rollout.n=8", "trainer.test_freq=50", "trainer.val_before_train=true",
-        "data.val_batch_size=256", "data.num_val_examples=256",
-        # With a constant lr greedy accuracy peaks near step 50 and drifts back (0.50 -> 0.71 -> 0.61 once);
-        # cosine decay keeps the gain (0.50 -> 0.78/0.79 at the end in two runs).
-        "actor.optim.lr_scheduler=cosine",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=1",
+            "rollout.replicas=2",
+            "trainer.total_training_steps=150",
+            "data.train_batch_size=16",
+            "rollout.n=8",
+            "trainer.test_freq=50",
+            "trainer.val_before_train=true",
+            "data.val_batch_size=256",
+            "data.num_val_examples=256",
+            # With a constant lr greedy accuracy peaks near step 50 and drifts back (0.50 -> 0.71 -> 0.61 once);
+            # cosine decay keeps the gain (0.50 -> 0.78/0.79 at the end in two runs).
+            "actor.optim.lr_scheduler=cosine",
+        ],
+    )
     with Run(cfg) as run:
         rc = run.wait_learner(800)
         assert rc == 0, run.logs("learner")
@@ -51,10 +62,19 @@ def test_async_grpo_two_replicas_accuracy_rises(nats_url: str, run_id: str, tmp_
 
 @pytest.mark.timeout(600)
 def test_killed_replica_loses_no_work(nats_url: str, run_id: str, tmp_path: Path) -> None:
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=1", "rollout.replicas=2", "trainer.total_training_steps=8",
-        "data.train_batch_size=8", "rollout.n=4", "rollout.prompts_per_batch=4",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=1",
+            "rollout.replicas=2",
+            "trainer.total_training_steps=8",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "rollout.prompts_per_batch=4",
+        ],
+    )
     with Run(cfg) as run:
         run.wait_for_step(2, 300)
         victim = run.proc("rollout-1")
@@ -81,12 +101,23 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     # Adam's first step is sign(g)*lr, which turns rounding noise in near-zero gradient entries into
     # full-size differences; eps=1 makes the first step ~ lr*g (SGD-like), so the comparison is well posed.
     lr = 1.0
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=0", "rollout.replicas=1", "trainer.total_training_steps=2", "data.train_batch_size=4",
-        "rollout.n=4", "trainer.dump_first_batch=true", f"actor.optim.lr={lr}", "actor.optim.grad_clip=1e9",
-        "actor.optim.eps=1.0",
-        "trainer.seed=7",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=0",
+            "rollout.replicas=1",
+            "trainer.total_training_steps=2",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "trainer.dump_first_batch=true",
+            f"actor.optim.lr={lr}",
+            "actor.optim.grad_clip=1e9",
+            "actor.optim.eps=1.0",
+            "trainer.seed=7",
+        ],
+    )
     with Run(cfg) as run:
         assert run.wait_learner(400) == 0, run.logs("learner")
     dump = run.run_dir / "first_update"

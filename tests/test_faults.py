@@ -21,8 +21,13 @@ from rlbus.messages import SCHEMA_VERSION, PromptWork, SamplingParams, encode
 STEPS, BATCH = 30, 8  # long enough that the attack lands mid-run on a fast machine
 RESTART_STEPS = 200  # a step takes ~0.1 s on an idle machine: both outages must land mid-run
 RUN = [
-    f"trainer.total_training_steps={STEPS}", f"data.train_batch_size={BATCH}", "rollout.n=4",
-    "rollout.prompts_per_batch=4", "trainer.async_level=1", "trainer.val_before_train=false", "trainer.test_freq=0",
+    f"trainer.total_training_steps={STEPS}",
+    f"data.train_batch_size={BATCH}",
+    "rollout.n=4",
+    "rollout.prompts_per_batch=4",
+    "trainer.async_level=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
 ]
 
 
@@ -45,7 +50,9 @@ def test_nats_restart_and_crash_mid_run_lose_no_work(
     private_nats: LocalNatsServer, run_id: str, tmp_path: Path
 ) -> None:
     """A graceful restart at step 3 and a crash (SIGKILL) two steps later, each with 2 s of outage."""
-    cfg = make_config(private_nats.url, run_id, tmp_path, [*RUN, f"trainer.total_training_steps={RESTART_STEPS}"])
+    cfg = make_config(
+        private_nats.url, run_id, tmp_path, [*RUN, f"trainer.total_training_steps={RESTART_STEPS}"]
+    )
     with Run(cfg) as run:
         run.wait_for_step(3, 150)
         private_nats.stop()  # SIGTERM: JetStream flushes its file store; the port stays ours
@@ -73,8 +80,16 @@ FLOOD = 10_000
 
 def _junk(run_id: str) -> list[tuple[bytes, dict[str, str] | None, str]]:
     """(payload, headers, expected reason fragment) of every hostile message but the flood."""
-    work = PromptWork(run_id=run_id, prompt_id="intruder", index=0, step=0, min_policy_version=0,
-                      prompt_ids=[1, 2], n=1, sampling=SamplingParams())
+    work = PromptWork(
+        run_id=run_id,
+        prompt_id="intruder",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=[1, 2],
+        n=1,
+        sampling=SamplingParams(),
+    )
     return [
         (b"\xc1 not msgpack at all", None, "not a msgpack frame"),
         (b"", None, "not a msgpack frame"),
@@ -82,14 +97,23 @@ def _junk(run_id: str) -> list[tuple[bytes, dict[str, str] | None, str]]:
         (b"\xc6\xff\xff\xff\xff" + b"x" * 16, None, "not a msgpack frame"),  # claims a 4 GiB binary
         (b"\x91" * 100_000, None, "not a msgpack frame"),  # nested 100k deep
         (codec.pack({"hello": "world"}), None, "not an rlbus envelope"),
-        (codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION + 1, "body": {}}), None,
-         f"schema version {SCHEMA_VERSION + 1} is not {SCHEMA_VERSION}"),
+        (
+            codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION + 1, "body": {}}),
+            None,
+            f"schema version {SCHEMA_VERSION + 1} is not {SCHEMA_VERSION}",
+        ),
         (codec.pack({"kind": "nonsense", "v": SCHEMA_VERSION, "body": {}}), None, "unknown message kind"),
         (encode(work), None, "expected trajectory_group, got prompt_work"),
-        (codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION, "body": {"work": 5}}), None,
-         "invalid trajectory_group"),
-        (codec.pack({"claim": "trajectories/nothing-here", "size": 100 * MiB}),
-         {CLAIM_HEADER: "trajectories/nothing-here", CLAIM_SIZE_HEADER: str(100 * MiB)}, "is missing"),
+        (
+            codec.pack({"kind": "trajectory_group", "v": SCHEMA_VERSION, "body": {"work": 5}}),
+            None,
+            "invalid trajectory_group",
+        ),
+        (
+            codec.pack({"claim": "trajectories/nothing-here", "size": 100 * MiB}),
+            {CLAIM_HEADER: "trajectories/nothing-here", CLAIM_SIZE_HEADER: str(100 * MiB)},
+            "is missing",
+        ),
     ]
 
 
@@ -105,8 +129,9 @@ async def _attack(cfg: RlbusConfig) -> list[str]:
         with pytest.raises(MaxPayloadError):  # above max_payload: refused before it reaches the bus
             await bus.publish_raw(Stage.TRAJECTORIES, b"\xc1" * (9 * MiB))
         for start in range(0, FLOOD, 500):
-            await asyncio.gather(*(bus.publish_raw(Stage.TRAJECTORIES, b"junk-%d" % i)
-                                   for i in range(start, start + 500)))
+            await asyncio.gather(
+                *(bus.publish_raw(Stage.TRAJECTORIES, b"junk-%d" % i) for i in range(start, start + 500))
+            )
         # One of each on the other stages: the rollout and the learner dead-letter too.
         for stage in (Stage.PROMPTS, Stage.READY):
             await bus.publish_raw(stage, b"\xc1 junk")
@@ -116,8 +141,10 @@ async def _attack(cfg: RlbusConfig) -> list[str]:
 
 async def _dead_letters(cfg: RlbusConfig, n_first: int) -> tuple[dict[Stage, int], list]:
     async with Bus.connect(cfg, name="inspector", ensure=False) as bus:
-        counts = {stage: await bus.dead_letter_count(stage) for stage in (Stage.PROMPTS, Stage.TRAJECTORIES,
-                                                                          Stage.READY)}
+        counts = {
+            stage: await bus.dead_letter_count(stage)
+            for stage in (Stage.PROMPTS, Stage.TRAJECTORIES, Stage.READY)
+        }
         return counts, await bus.dead_letters(Stage.TRAJECTORIES, limit=n_first)
 
 
@@ -168,9 +195,20 @@ async def test_acks_through_a_server_crash_never_raise_and_lose_nothing(
         for cycle in range(3):
             ids = {f"c{cycle}-p{i}" for i in range(6)}
             for pid in sorted(ids):
-                await bus.publish(Stage.PROMPTS, PromptWork(
-                    run_id=run_id, prompt_id=pid, index=0, step=0, min_policy_version=0, prompt_ids=[1], n=1,
-                    sampling=SamplingParams()), msg_id=pid)
+                await bus.publish(
+                    Stage.PROMPTS,
+                    PromptWork(
+                        run_id=run_id,
+                        prompt_id=pid,
+                        index=0,
+                        step=0,
+                        min_policy_version=0,
+                        prompt_ids=[1],
+                        n=1,
+                        sampling=SamplingParams(),
+                    ),
+                    msg_id=pid,
+                )
             held: list = []
             while len(held) < 6:
                 held += await consumer.fetch(6 - len(held), timeout=5)
@@ -197,8 +235,16 @@ def _hostile_work(run_id: str) -> list[tuple[PromptWork, str]]:
     """Schema-valid PromptWork no engine should take, each with the reason fragment its dead letter carries."""
 
     def work(pid: str, ids: list[int], n: int = 1, max_tokens: int = 8) -> PromptWork:
-        return PromptWork(run_id=run_id, prompt_id=pid, index=0, step=0, min_policy_version=0, prompt_ids=ids,
-                          n=n, sampling=SamplingParams(max_tokens=max_tokens))
+        return PromptWork(
+            run_id=run_id,
+            prompt_id=pid,
+            index=0,
+            step=0,
+            min_policy_version=0,
+            prompt_ids=ids,
+            n=n,
+            sampling=SamplingParams(max_tokens=max_tokens),
+        )
 
     return [
         (work("hostile-token", [1, 10_000_000, 2]), "token id 10000000 is outside the vocabulary"),
@@ -239,5 +285,7 @@ def test_hostile_prompt_work_is_dead_lettered_alone_and_no_replica_exits(
         assert set(letters) == {w.prompt_id for w, _ in hostile}, "only the hostile items were parked"
         ledger = _check_ledger(run)
         assert not any(pid.startswith("hostile") for pid in ledger["dispatched"])
-        rollout_log = "\n".join(p.log_path.read_text(errors="replace") for p in run.procs if p.name.startswith("rollout"))
+        rollout_log = "\n".join(
+            p.log_path.read_text(errors="replace") for p in run.procs if p.name.startswith("rollout")
+        )
         assert rollout_log.count("work item dead-lettered") == len(hostile), rollout_log[-3000:]

@@ -25,17 +25,36 @@ from rlbus.modeling import pad_batch
 
 torch.set_num_threads(1)
 
-BASE = ["trainer.device=cpu", "actor.optim.lr=1e-2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01", "actor.optim.grad_clip=0.5"]
+BASE = [
+    "trainer.device=cpu",
+    "actor.optim.lr=1e-2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.ppo_micro_batch_size=2",
+    "actor.use_kl_loss=true",
+    "actor.kl_loss_coef=0.1",
+    "actor.entropy_coeff=0.01",
+    "actor.optim.grad_clip=0.5",
+]
 SCENARIOS: dict[str, list[str]] = {
     "padded": [],
     # one group (3 sequences) a mini-batch, 12 tokens a micro-batch: packed pairs, and ranks with fewer
     # micro-batches than the other run masked dummies
-    "packed": ["model.use_remove_padding=true", "actor.ppo_max_token_len_per_gpu=12", "actor.ppo_mini_batch_size=1",
-               "actor.loss_agg_mode=seq-mean-token-mean"],
+    "packed": [
+        "model.use_remove_padding=true",
+        "actor.ppo_max_token_len_per_gpu=12",
+        "actor.ppo_mini_batch_size=1",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+    ],
     "lora": ["model.lora_rank=4", "model.lora_alpha=8", "actor.optim.lr=5e-2"],
 }
-COMPARED = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl", "actor/is_weight_mean")
+COMPARED = (
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/kl",
+    "actor/is_weight_mean",
+)
 
 
 def make_batch(seed: int = 0, groups: int = 4, per_group: int = 3, vocab: int = 31) -> TrainBatch:
@@ -54,9 +73,16 @@ def make_batch(seed: int = 0, groups: int = 4, per_group: int = 3, vocab: int = 
     ref = -torch.rand(resp.shape, generator=g) * 3 * resp
     rewards = torch.rand(bsz, generator=g)
     return TrainBatch(
-        input_ids=ids, attention_mask=mask, position_ids=pos, response_mask=resp, behaviour_logprobs=behaviour,
-        ref_logprobs=ref, rewards=rewards, correct=rewards > 0.5,
-        group_ids=torch.arange(groups).repeat_interleave(per_group), policy_versions=torch.zeros(bsz, dtype=torch.long),
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        response_mask=resp,
+        behaviour_logprobs=behaviour,
+        ref_logprobs=ref,
+        rewards=rewards,
+        correct=rewards > 0.5,
+        group_ids=torch.arange(groups).repeat_interleave(per_group),
+        policy_versions=torch.zeros(bsz, dtype=torch.long),
         temperature=1.0,
     )
 
@@ -75,8 +101,14 @@ def run_scenario(cfg: RlbusConfig) -> dict:
     after = {k: v.detach().clone() for k, v in trainer.named_weights()}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     optimized = sum(len(group["params"]) for group in trainer.optimizer.param_groups)
-    return {"before": before, "after": after, "metrics": metrics, "trainable": sorted(trainable),
-            "optimized": optimized, "n_params": sum(1 for _ in trainer.model.parameters())}
+    return {
+        "before": before,
+        "after": after,
+        "metrics": metrics,
+        "trainable": sorted(trainable),
+        "optimized": optimized,
+        "n_params": sum(1 for _ in trainer.model.parameters()),
+    }
 
 
 def _dumps(obj: object) -> bytes:
@@ -91,8 +123,13 @@ def _loads(data: bytes) -> object:
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str], out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
         ctx = parallel.init_distributed("cpu", timeout_s=120)
@@ -124,7 +161,9 @@ def two_rank_results(tiny: Path) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny), list(SCENARIOS), out)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny), list(SCENARIOS), out)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results: dict = {}
@@ -183,8 +222,12 @@ def test_packed_logprobs_equal_padded(tiny: Path) -> None:
     model = load_causal_lm(tiny, "float32", "cpu")
     batch = make_batch(seed=3)
     with torch.no_grad():
-        lp_pad, ent_pad = parallel.forward_logprobs(model, batch, torch.device("cpu"), packed=False, entropy=True)
-        lp_pack, ent_pack = parallel.forward_logprobs(model, batch, torch.device("cpu"), packed=True, entropy=True)
+        lp_pad, ent_pad = parallel.forward_logprobs(
+            model, batch, torch.device("cpu"), packed=False, entropy=True
+        )
+        lp_pack, ent_pack = parallel.forward_logprobs(
+            model, batch, torch.device("cpu"), packed=True, entropy=True
+        )
     m = batch.response_mask.bool()
     # padded rows compute garbage on pad positions; every real prediction must agree
     real = torch.arange(batch.input_ids.shape[1] - 1) < (batch.attention_mask.sum(-1, keepdim=True) - 1)
@@ -293,8 +336,17 @@ def test_lora_update_reaches_the_replica_merged(tiny: Path) -> None:
         # only adapter parameters moved in the learner (B of every adapted layer, then A)
         assert changed and all(".lora_" in n for n in changed)
         assert not any(".lora_" in n or "base_layer" in n for n in fields["names"])
-        ann = WeightAnnouncement(run_id="t", version=1, epoch=0, master_addr="127.0.0.1", master_port=port,
-                                 world_size=2, ranks={"r": 1}, backend="gloo", **fields)
+        ann = WeightAnnouncement(
+            run_id="t",
+            version=1,
+            epoch=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+            world_size=2,
+            ranks={"r": 1},
+            backend="gloo",
+            **fields,
+        )
         eng.receive_weights(ann, rank=1, timeout_s=30.0)
         assert done.get(timeout=30) == "ok"
         after = eng.score(*PROBE)
@@ -323,11 +375,23 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
 
     from rlbus.weight_sync import free_port
 
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=0", "trainer.total_training_steps=3", "data.train_batch_size=4", "rollout.n=4",
-        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.device=cpu", "rollout.device=cpu",
-        "model.use_remove_padding=true", "actor.ppo_micro_batch_size=4",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=0",
+            "trainer.total_training_steps=3",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.device=cpu",
+            "rollout.device=cpu",
+            "model.use_remove_padding=true",
+            "actor.ppo_micro_batch_size=4",
+        ],
+    )
     run = Run(cfg)
     run.procs = [p for p in run.procs if p.name != "learner"]  # the learner is torchrun's
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -335,9 +399,23 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log = run.run_dir / "logs" / "learner-torchrun.log"
         with open(log, "w") as out:
-            proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
-                                   "-m", "rlbus.learner.main", "--config", str(run.config_path)],
-                                  env=env, stdout=out, stderr=subprocess.STDOUT, timeout=500)
+            proc = subprocess.run(
+                [
+                    str(torchrun),
+                    "--nproc-per-node",
+                    "2",
+                    "--master-port",
+                    str(free_port()),
+                    "-m",
+                    "rlbus.learner.main",
+                    "--config",
+                    str(run.config_path),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=500,
+            )
         assert proc.returncode == 0, log.read_text()[-4000:]
         rows = run.metrics()
         replica = run.logs("rollout-0", 200)
@@ -347,15 +425,30 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
     assert (run.run_dir / "final" / "config.json").is_file()
 
 
-def _reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                           enable_gqa=False, **_):
+def _reference_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    **_,
+):
     """What torch.nn.attention.varlen.varlen_attn computes (CUDA only), per sequence with sdpa, on the CPU."""
     assert window_size == (-1, 0) and cu_seq_q.dtype == torch.int32 and max_q == int(cu_seq_q.diff().max())
     outs = []
     for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
         q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))
-        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                                     enable_gqa=enable_gqa).transpose(0, 1))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+            ).transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
@@ -367,8 +460,16 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     from rlbus.modeling import load_causal_lm
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=31, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=31,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(str(tmp_path))
     calls = []
 
@@ -387,7 +488,9 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     with torch.no_grad():
         want, _ = parallel.forward_logprobs(plain, batch, cpu, packed=False, entropy=False)
         got, _ = parallel.forward_logprobs(packed_model, batch, cpu, packed=True, entropy=False)
-        padded, _ = parallel.forward_logprobs(packed_model, batch, cpu, packed=False, entropy=False)  # sdpa fallback
+        padded, _ = parallel.forward_logprobs(
+            packed_model, batch, cpu, packed=False, entropy=False
+        )  # sdpa fallback
     assert len(calls) == cfg.num_hidden_layers  # the packed forward went through varlen, once a layer
     m = batch.response_mask.bool()
     assert float((got - want).abs()[m].max()) < 1e-5

@@ -14,12 +14,24 @@ from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, Score
 from rlbus.tiny_model import default_model_path
 
 
-def _group(prompt: list[int], responses: list[list[int]], rewards: list[float], version: int = 0) -> ReadyGroup:
-    work = PromptWork(run_id="r", prompt_id=f"p{prompt}", index=0, step=0, min_policy_version=0, prompt_ids=prompt,
-                      n=len(responses), sampling=SamplingParams())
+def _group(
+    prompt: list[int], responses: list[list[int]], rewards: list[float], version: int = 0
+) -> ReadyGroup:
+    work = PromptWork(
+        run_id="r",
+        prompt_id=f"p{prompt}",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=prompt,
+        n=len(responses),
+        sampling=SamplingParams(),
+    )
     samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, dtype=np.float32)) for r in responses]
     traj = TrajectoryGroup(work=work, samples=samples, policy_version=version, replica_id="x", engine="hf")
-    return ReadyGroup(scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards]))
+    return ReadyGroup(
+        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
+    )
 
 
 def test_collate_aligns_response_mask_with_next_token_positions() -> None:
@@ -39,7 +51,10 @@ def test_data_order_is_seeded_and_resumable() -> None:
     b = PromptLoader(records, seed=1)
     b.load_state_dict({"position": 30, "seed": 1})
     assert [b.next().prompt for _ in range(40)] == first[30:]
-    assert PromptLoader(records, seed=2).next().prompt != first[0] or PromptLoader(records, seed=3).next().prompt != first[0]
+    assert (
+        PromptLoader(records, seed=2).next().prompt != first[0]
+        or PromptLoader(records, seed=3).next().prompt != first[0]
+    )
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:
@@ -49,20 +64,25 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_lambda(10, 0, 20, "constant", 0.0) == 1.0
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
-    ["actor.policy_loss=dual_clip", "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=1"],
-    ["algorithm.adv_estimator=rloo", "actor.ppo_micro_batch_size=1"],
-    ["algorithm.adv_estimator=reinforce_plus_plus"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
+        ["actor.policy_loss=dual_clip", "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=1"],
+        ["algorithm.adv_estimator=rloo", "actor.ppo_micro_batch_size=1"],
+        ["algorithm.adv_estimator=reinforce_plus_plus"],
+    ],
+)
 def test_one_update_changes_weights_and_reports_finite_metrics(overrides: list[str]) -> None:
     torch.manual_seed(0)
     cfg = load_config(None, ["actor.optim.lr=1e-3", *overrides])
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    groups = [_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-              _group([12, 13], [[14], [15, 16]], [0.0, 1.0])]
+    groups = [
+        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+    ]
     metrics = trainer.train_step(collate(groups, pad_id=0))
     assert all(np.isfinite(v) for v in metrics.values()), metrics
     changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

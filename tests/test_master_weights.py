@@ -46,7 +46,9 @@ def test_updates_below_bf16_resolution_accumulate() -> None:
         bf16_adamw.step()
     assert torch.equal(plain.detach(), torch.ones_like(plain))  # the update was lost
     moved = 1.0 - ours.state[low]["master"]
-    torch.testing.assert_close(moved, torch.full_like(moved, 20e-6), rtol=0.05, atol=0)  # fp32 ulp at 1 is 1.2e-7
+    torch.testing.assert_close(
+        moved, torch.full_like(moved, 20e-6), rtol=0.05, atol=0
+    )  # fp32 ulp at 1 is 1.2e-7
 
 
 def test_checkpoint_state_keeps_fp32_master() -> None:
@@ -70,8 +72,15 @@ def test_checkpoint_state_keeps_fp32_master() -> None:
 
 
 def test_policy_trainer_trains_bf16_parameters_with_fp32_master() -> None:
-    cfg = load_config(None, ["trainer.device=cpu", "model.dtype=bfloat16", "actor.master_weights=optimizer",
-                             "actor.ppo_micro_batch_size=4"])
+    cfg = load_config(
+        None,
+        [
+            "trainer.device=cpu",
+            "model.dtype=bfloat16",
+            "actor.master_weights=optimizer",
+            "actor.ppo_micro_batch_size=4",
+        ],
+    )
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
     assert isinstance(trainer.optimizer, MasterWeightAdamW)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())

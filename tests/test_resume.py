@@ -24,10 +24,20 @@ from rlbus.learner.checkpoint import SUPERSEDED_METRICS, checkpoint_root, latest
 
 STEPS, SAVE_FREQ, BATCH = 8, 3, 4
 COMMON = [
-    "trainer.async_level=0", "rollout.replicas=1", f"trainer.total_training_steps={STEPS}",
-    f"data.train_batch_size={BATCH}", "rollout.n=4", "rollout.prompts_per_batch=4", "rollout.seed_per_prompt=true",
-    f"trainer.save_freq={SAVE_FREQ}", "trainer.max_ckpt_to_keep=2", "trainer.test_freq=-1",
-    "trainer.val_before_train=false", "actor.optim.lr=1e-3", "trainer.seed=7", "trainer.resume_mode=auto",
+    "trainer.async_level=0",
+    "rollout.replicas=1",
+    f"trainer.total_training_steps={STEPS}",
+    f"data.train_batch_size={BATCH}",
+    "rollout.n=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.seed_per_prompt=true",
+    f"trainer.save_freq={SAVE_FREQ}",
+    "trainer.max_ckpt_to_keep=2",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "actor.optim.lr=1e-3",
+    "trainer.seed=7",
+    "trainer.resume_mode=auto",
 ]
 
 
@@ -53,7 +63,9 @@ def _delete_run(url: str, run_id: str) -> None:
     from rlbus.config.schema import RlbusConfig
 
     async def go() -> None:
-        bus = await Bus.open(RlbusConfig(run={"id": run_id}, bus={"url": url}), name="test-cleanup", ensure=False)
+        bus = await Bus.open(
+            RlbusConfig(run={"id": run_id}, bus={"url": url}), name="test-cleanup", ensure=False
+        )
         try:
             await bus.delete_run()
         finally:
@@ -81,13 +93,16 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(420)
-def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url: str, run_id: str,
-                                                                       tmp_path: Path) -> None:
+def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
     t0 = time.monotonic()
     run_b = f"{run_id}b"
     try:  # A (uninterrupted) and B (killed, resumed) side by side: they share nothing but the NATS server
-        with Run(make_config(nats_url, run_id, tmp_path, COMMON)) as a, \
-                Run(make_config(nats_url, run_b, tmp_path, COMMON)) as b:
+        with (
+            Run(make_config(nats_url, run_id, tmp_path, COMMON)) as a,
+            Run(make_config(nats_url, run_b, tmp_path, COMMON)) as b,
+        ):
             saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir))
             assert saved in (SAVE_FREQ, 2 * SAVE_FREQ) and done_at_kill > saved
             b.learner.start()  # same config: trainer.resume_mode=auto
@@ -98,11 +113,15 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url:
         _delete_run(nats_url, run_b)
     t_total = time.monotonic() - t0
 
-    assert "resumed from checkpoint" in log and f"step={saved}" in log.split("resumed from checkpoint")[1][:400]
+    assert (
+        "resumed from checkpoint" in log and f"step={saved}" in log.split("resumed from checkpoint")[1][:400]
+    )
     # Every step exactly once in metrics.jsonl; the crashed attempt's later rows were moved aside.
     rows_b, rows_a = _train_rows(b), _train_rows(a)
     assert [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
-    superseded = [json.loads(line)["step"] for line in (b.run_dir / SUPERSEDED_METRICS).read_text().splitlines()]
+    superseded = [
+        json.loads(line)["step"] for line in (b.run_dir / SUPERSEDED_METRICS).read_text().splitlines()
+    ]
     assert [s for s in superseded] == list(range(saved + 1, done_at_kill + 1))
     assert rows_b[saved]["time"] > rows_b[saved - 1]["time"]
     # Same data order: the same data indices trained in each step; none twice.
@@ -124,10 +143,14 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(nats_url:
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst <= 1e-6, f"final weights differ by {worst}"
     base = _final_weights_base()
-    assert max(float((wa[k] - base[k]).abs().max()) for k in wa if k in base) > 1e-4, "training moved the weights"
+    assert max(float((wa[k] - base[k]).abs().max()) for k in wa if k in base) > 1e-4, (
+        "training moved the weights"
+    )
     assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["step_6", "step_8"]
-    print(f"\nboth runs {t_total:.0f}s, killed after step {done_at_kill} "
-          f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}")
+    print(
+        f"\nboth runs {t_total:.0f}s, killed after step {done_at_kill} "
+        f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}"
+    )
 
 
 def _final_weights_base() -> dict[str, torch.Tensor]:
@@ -144,11 +167,23 @@ def test_resume_with_work_in_flight_trains_no_index_twice(nats_url: str, run_id:
     dispatches their data indices again under new ids, and acks whatever the crashed attempt made as
     leftovers: every index is trained at most once and the ledger adds up."""
     steps = 6
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=1", "rollout.replicas=1", f"trainer.total_training_steps={steps}",
-        "data.train_batch_size=4", "rollout.n=4", "rollout.prompts_per_batch=2", "trainer.save_freq=2",
-        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=1",
+            "rollout.replicas=1",
+            f"trainer.total_training_steps={steps}",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "rollout.prompts_per_batch=2",
+            "trainer.save_freq=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.resume_mode=auto",
+        ],
+    )
     with Run(cfg) as run:
         saved, done_at_kill = _kill_after_a_checkpoint(run, checkpoint_root(run.run_dir))
         run.learner.start()

@@ -29,9 +29,18 @@ def _tests_importable(monkeypatch) -> None:
 
 
 def _group(texts: list[str], answer: str = "46") -> TrajectoryGroup:
-    work = PromptWork(run_id="r", prompt_id="p", index=0, step=0, min_policy_version=0, prompt_ids=[1],
-                      prompt_text="12+34=", meta={"task": "addition", "digits": 2, "answer": answer}, n=len(texts),
-                      sampling=SamplingParams())
+    work = PromptWork(
+        run_id="r",
+        prompt_id="p",
+        index=0,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=[1],
+        prompt_text="12+34=",
+        meta={"task": "addition", "digits": 2, "answer": answer},
+        n=len(texts),
+        sampling=SamplingParams(),
+    )
     samples = [Sample(response_ids=[1], logprobs=np.zeros(1, np.float32), text=t) for t in texts]
     return TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
 
@@ -75,11 +84,22 @@ def test_bad_function_spec_fails_at_start_naming_it() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id: str, tmp_path: Path) -> None:
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.async_level=1", f"trainer.total_training_steps={STEPS}", "data.train_batch_size=8", "rollout.n=4",
-        "trainer.val_before_train=false", "trainer.test_freq=-1",
-    ])
+def test_reward_implementations_swap_while_the_run_is_live(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.async_level=1",
+            f"trainer.total_training_steps={STEPS}",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+        ],
+    )
     with Run(cfg) as run:
         run.wait_for_step(3, 200)
         first = run.proc("reward")
@@ -91,10 +111,18 @@ def test_reward_implementations_swap_while_the_run_is_live(nats_url: str, run_id
         assert len(run.metrics()) <= stalled_at + 2, "steps went on without a reward service"
         assert stalled_at < STEPS, "the run finished before the swap; make it longer"
         swapped = ServiceProcess(
-            "reward-fn", "reward",
-            ["--config", str(run.config_path), "--instance-id", "reward-fn", "reward.type=function",
-             "reward.function=reward_fns:double_score"],
-            run.run_dir / "logs" / "reward-fn.log", env={"PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
+            "reward-fn",
+            "reward",
+            [
+                "--config",
+                str(run.config_path),
+                "--instance-id",
+                "reward-fn",
+                "reward.type=function",
+                "reward.function=reward_fns:double_score",
+            ],
+            run.run_dir / "logs" / "reward-fn.log",
+            env={"PYTHONPATH": TESTS, "OMP_NUM_THREADS": "1"},
         ).start()
         run.procs.append(swapped)
         rc = run.wait_learner(300)

@@ -38,8 +38,16 @@ def _cfg(url: str, run_id: str, tmp_path: Path, **bus: object) -> RlbusConfig:
 
 
 def _work(run_id: str, i: int = 0) -> PromptWork:
-    return PromptWork(run_id=run_id, prompt_id=f"p{i}", index=i, step=0, min_policy_version=0, prompt_ids=[1],
-                      n=1, sampling=SamplingParams())
+    return PromptWork(
+        run_id=run_id,
+        prompt_id=f"p{i}",
+        index=i,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=[1],
+        n=1,
+        sampling=SamplingParams(),
+    )
 
 
 async def _roundtrip(cfg: RlbusConfig) -> None:
@@ -52,12 +60,18 @@ async def _roundtrip(cfg: RlbusConfig) -> None:
         await bus.delete_run()
 
 
-def _reward_process(cfg: RlbusConfig, tmp_path: Path, name: str, env: dict[str, str] | None = None
-                    ) -> ServiceProcess:
+def _reward_process(
+    cfg: RlbusConfig, tmp_path: Path, name: str, env: dict[str, str] | None = None
+) -> ServiceProcess:
     """The reward service (no model to load: quick) as its own process, config from a file."""
     path = save_config(cfg, tmp_path / f"{name}.yaml")
-    proc = ServiceProcess(name, "reward", ["--config", str(path), "--instance-id", name],
-                          tmp_path / "logs" / f"{name}.log", env=dict(env or {}))
+    proc = ServiceProcess(
+        name,
+        "reward",
+        ["--config", str(path), "--instance-id", name],
+        tmp_path / "logs" / f"{name}.log",
+        env=dict(env or {}),
+    )
     return proc.start()
 
 
@@ -68,7 +82,9 @@ async def _wait_heartbeat(cfg: RlbusConfig, proc: ServiceProcess, timeout_s: flo
         state = await bus.state()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(hb.instance_id == proc.name and hb.status == "ready" for hb in await state.live("reward", 10)):
+            if any(
+                hb.instance_id == proc.name and hb.status == "ready" for hb in await state.live("reward", 10)
+            ):
                 return
             assert proc.alive, proc.log_path.read_text(errors="replace")
             await asyncio.sleep(0.5)
@@ -81,7 +97,9 @@ def _wait_exit(proc: ServiceProcess, timeout_s: float = 45) -> int:
         return proc.proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"{proc.name} kept running with a wrong secret:\n{proc.log_path.read_text()}") from None
+        raise AssertionError(
+            f"{proc.name} kept running with a wrong secret:\n{proc.log_path.read_text()}"
+        ) from None
 
 
 def _assert_secret_absent(secret: str, *paths: Path) -> None:
@@ -92,8 +110,13 @@ def _assert_secret_absent(secret: str, *paths: Path) -> None:
 
 
 def _config_show(*args: str, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run([sys.executable, "-m", "rlbus.cli", "config", "show", *args], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", "config", "show", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -108,10 +131,20 @@ def test_user_password_run_and_wrong_password(run_id: str, tmp_path: Path) -> No
     user, secret = "rlbus-svc", "pw-Zq81-never-print-me"
     block = f'authorization {{ user: "{user}", password: "{secret}" }}'
     with LocalNatsServer(tmp_path / "nats", extra_config=block) as srv:
-        cfg = make_config(srv.url, run_id, tmp_path, [
-            f"bus.user={user}", "trainer.total_training_steps=2", "data.train_batch_size=4", "rollout.n=2",
-            "rollout.prompts_per_batch=4", "trainer.val_before_train=false", "trainer.test_freq=0",
-        ])
+        cfg = make_config(
+            srv.url,
+            run_id,
+            tmp_path,
+            [
+                f"bus.user={user}",
+                "trainer.total_training_steps=2",
+                "data.train_batch_size=4",
+                "rollout.n=2",
+                "rollout.prompts_per_batch=4",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=0",
+            ],
+        )
         env = {"RLBUS_BUS__PASSWORD": secret}
         run = Run(cfg)  # writes config.yaml: without the password, which only the environment carries
         for p in run.procs:
@@ -121,7 +154,9 @@ def test_user_password_run_and_wrong_password(run_id: str, tmp_path: Path) -> No
             assert rc == 0, run.logs("learner")
             assert len(run.ledger()["trained"]) == 2 * 4
 
-        bad = _reward_process(cfg, tmp_path, "reward-intruder", env={"RLBUS_BUS__PASSWORD": "wrong-" + secret})
+        bad = _reward_process(
+            cfg, tmp_path, "reward-intruder", env={"RLBUS_BUS__PASSWORD": "wrong-" + secret}
+        )
         assert _wait_exit(bad) != 0
         text = bad.log_path.read_text()
         assert "authorization failed" in text and "rlbus reward: cannot connect to NATS" in text, text
@@ -144,7 +179,9 @@ async def test_token_auth_service_connects_and_wrong_token_fails_clearly(run_id:
         finally:
             good.stop()
         assert good.proc is not None and good.proc.returncode == 0
-        bad = _reward_process(_cfg(srv.url, run_id, tmp_path, token="wrong-" + secret), tmp_path, "reward-bad")
+        bad = _reward_process(
+            _cfg(srv.url, run_id, tmp_path, token="wrong-" + secret), tmp_path, "reward-bad"
+        )
         assert _wait_exit(bad) != 0
         assert "authorization failed" in bad.log_path.read_text()
         # The token in the URL instead (nats://<token>@host): connects, and is redacted in logs.
@@ -180,36 +217,68 @@ def _make_pki(d: Path) -> dict[str, Path]:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
     def write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         return path
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("rlbus test CA")).issuer_name(name("rlbus test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("rlbus test CA"))
+        .issuer_name(name("rlbus test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
 
-    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName] | None) -> tuple[x509.Certificate,
-                                                                                                    ec.EllipticCurvePrivateKey]:
+    def leaf(
+        cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName] | None
+    ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
-        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
         if sans:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return b.sign(ca_key, hashes.SHA256()), key
 
-    server, server_key = leaf("127.0.0.1", ExtendedKeyUsageOID.SERVER_AUTH,
-                              [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    server, server_key = leaf(
+        "127.0.0.1",
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     client, client_key = leaf("rlbus-client", ExtendedKeyUsageOID.CLIENT_AUTH, None)
     out = {"ca": d / "ca.pem", "server": d / "server.pem", "client": d / "client.pem"}
     out["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -246,11 +315,14 @@ async def test_tls_with_our_ca_and_mutual_tls(run_id: str, tmp_path: Path) -> No
             await connect(cfg.bus.model_copy(update={"tls_ca": other["ca"]}), srv.url, "wrong-ca", wait_s=5)
 
     with LocalNatsServer(tmp_path / "nats-mtls", extra_config=_tls_block(pki, verify=True)) as srv:
-        mtls = _cfg(srv.url, run_id, tmp_path, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"])
+        mtls = _cfg(
+            srv.url, run_id, tmp_path, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client_key"]
+        )
         await _roundtrip(mtls)
         with pytest.raises(BusConnectError):  # no client certificate: the server refuses the handshake
-            await connect(mtls.bus.model_copy(update={"tls_cert": None, "tls_key": None}), srv.url, "anon",
-                          wait_s=5)
+            await connect(
+                mtls.bus.model_copy(update={"tls_cert": None, "tls_key": None}), srv.url, "anon", wait_s=5
+            )
     with pytest.raises(BusConnectError, match="tls_key is set without bus.tls_cert"):
         await connect(cfg.bus.model_copy(update={"tls_key": pki["client_key"]}), srv.url, "half", wait_s=1)
 
@@ -281,9 +353,13 @@ async def test_nkey_seed_auth(run_id: str, tmp_path: Path) -> None:
         finally:
             proc.stop()
         with pytest.raises(BusConnectError, match="authorization failed"):
-            await connect(cfg.bus.model_copy(update={"nkeys_seed": tmp_path / "other.nk"}), srv.url, "x", wait_s=10)
+            await connect(
+                cfg.bus.model_copy(update={"nkeys_seed": tmp_path / "other.nk"}), srv.url, "x", wait_s=10
+            )
         with pytest.raises(BusConnectError, match="does not exist"):
-            await connect(cfg.bus.model_copy(update={"nkeys_seed": tmp_path / "none.nk"}), srv.url, "x", wait_s=2)
+            await connect(
+                cfg.bus.model_copy(update={"nkeys_seed": tmp_path / "none.nk"}), srv.url, "x", wait_s=2
+            )
     _assert_secret_absent(seed.decode(), tmp_path / "logs")
 
 
@@ -316,27 +392,81 @@ def _operator_setup() -> tuple[str, dict[str, str]]:
     acc_seed, acc_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     sys_seed, sys_pub = keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     user_seed, user_pub = keypair(nkeys.PREFIX_BYTE_USER)
-    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
-                 "conn": -1, "leaf": -1}
+    unlimited = {
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+        "imports": -1,
+        "exports": -1,
+        "wildcards": True,
+        "conn": -1,
+        "leaf": -1,
+    }
     js = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
-    operator = _jwt({"iss": op_pub, "sub": op_pub, "name": "rlbus-op",
-                     "nats": {"type": "operator", "version": 2, "system_account": sys_pub}}, op_seed)
-    account = _jwt({"iss": op_pub, "sub": acc_pub, "name": "rlbus",
-                    "nats": {"limits": {**unlimited, **js}, "type": "account", "version": 2}}, op_seed)
-    system = _jwt({"iss": op_pub, "sub": sys_pub, "name": "SYS",
-                   "nats": {"limits": unlimited, "type": "account", "version": 2}}, op_seed)
-    user = _jwt({"iss": acc_pub, "sub": user_pub, "name": "svc",
-                 "nats": {"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user",
-                          "version": 2}}, acc_seed)
-    server = (f'operator: "{operator}"\nsystem_account: {sys_pub}\nresolver: MEMORY\n'
-              f'resolver_preload: {{\n  {acc_pub}: "{account}"\n  {sys_pub}: "{system}"\n}}\n')
-    creds = (f"-----BEGIN NATS USER JWT-----\n{user}\n------END NATS USER JWT------\n\n"
-             "************************* IMPORTANT *************************\n"
-             "NKEY Seed printed below can be used to sign and prove identity.\n\n"
-             f"-----BEGIN USER NKEY SEED-----\n{user_seed.decode()}\n------END USER NKEY SEED------\n")
+    operator = _jwt(
+        {
+            "iss": op_pub,
+            "sub": op_pub,
+            "name": "rlbus-op",
+            "nats": {"type": "operator", "version": 2, "system_account": sys_pub},
+        },
+        op_seed,
+    )
+    account = _jwt(
+        {
+            "iss": op_pub,
+            "sub": acc_pub,
+            "name": "rlbus",
+            "nats": {"limits": {**unlimited, **js}, "type": "account", "version": 2},
+        },
+        op_seed,
+    )
+    system = _jwt(
+        {
+            "iss": op_pub,
+            "sub": sys_pub,
+            "name": "SYS",
+            "nats": {"limits": unlimited, "type": "account", "version": 2},
+        },
+        op_seed,
+    )
+    user = _jwt(
+        {
+            "iss": acc_pub,
+            "sub": user_pub,
+            "name": "svc",
+            "nats": {
+                "pub": {},
+                "sub": {},
+                "subs": -1,
+                "data": -1,
+                "payload": -1,
+                "type": "user",
+                "version": 2,
+            },
+        },
+        acc_seed,
+    )
+    server = (
+        f'operator: "{operator}"\nsystem_account: {sys_pub}\nresolver: MEMORY\n'
+        f'resolver_preload: {{\n  {acc_pub}: "{account}"\n  {sys_pub}: "{system}"\n}}\n'
+    )
+    creds = (
+        f"-----BEGIN NATS USER JWT-----\n{user}\n------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n"
+        "NKEY Seed printed below can be used to sign and prove identity.\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{user_seed.decode()}\n------END USER NKEY SEED------\n"
+    )
     other_seed, other_pub = keypair(nkeys.PREFIX_BYTE_USER)
-    stranger = _jwt({"iss": acc_pub, "sub": other_pub, "name": "x",
-                     "nats": {"pub": {}, "sub": {}, "type": "user", "version": 2}}, other_seed)  # self-signed
+    stranger = _jwt(
+        {
+            "iss": acc_pub,
+            "sub": other_pub,
+            "name": "x",
+            "nats": {"pub": {}, "sub": {}, "type": "user", "version": 2},
+        },
+        other_seed,
+    )  # self-signed
     bad = creds.replace(user, stranger).replace(user_seed.decode(), other_seed.decode())
     return server, {"good": creds, "bad": bad, "seed": user_seed.decode()}
 
@@ -355,8 +485,9 @@ async def test_creds_file_auth_in_operator_mode(run_id: str, tmp_path: Path) -> 
         finally:
             proc.stop()
         with pytest.raises(BusConnectError, match="authorization failed"):
-            await connect(cfg.bus.model_copy(update={"creds_file": tmp_path / "bad.creds"}), srv.url, "x",
-                          wait_s=10)
+            await connect(
+                cfg.bus.model_copy(update={"creds_file": tmp_path / "bad.creds"}), srv.url, "x", wait_s=10
+            )
         with pytest.raises(BusConnectError, match="authorization failed"):
             await connect(cfg.bus.model_copy(update={"creds_file": None}), srv.url, "anonymous", wait_s=10)
     _assert_secret_absent(creds["seed"], tmp_path / "logs")
@@ -372,8 +503,11 @@ _BANNED_CALLS = {"eval", "exec", "execfile", "compile", "__import__"}
 def _violations(path: Path) -> list[str]:
     """Code (not comments, not strings) that could turn bus bytes into code or arbitrary objects."""
     source = path.read_text()
-    toks = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-            if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    toks = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    ]
     out = []
     for i, tok in enumerate(toks):
         if tok.type != tokenize.NAME:
@@ -385,7 +519,12 @@ def _violations(path: Path) -> list[str]:
             out.append(f"{where}: {tok.string}")
         elif tok.string in _BANNED_CALLS and nxt == "(" and prev != ".":  # model.eval() is fine
             out.append(f"{where}: {tok.string}(")
-        elif tok.string == "allow_pickle" and nxt == "=" and i + 2 < len(toks) and toks[i + 2].string != "False":
+        elif (
+            tok.string == "allow_pickle"
+            and nxt == "="
+            and i + 2 < len(toks)
+            and toks[i + 2].string != "False"
+        ):
             out.append(f"{where}: allow_pickle={toks[i + 2].string}")
         elif tok.string in ("unsafe_load", "full_load", "UnsafeLoader", "FullLoader") and prev == ".":
             out.append(f"{where}: yaml.{tok.string}")
@@ -426,6 +565,14 @@ def test_the_source_checker_catches_what_it_should(tmp_path: Path) -> None:
     finally:
         bad.unlink()
     text = "\n".join(found)
-    for what in ("pickle", "cloudpickle", "eval(", "exec(", "torch.load('f.pt')", "allow_pickle=True", "yaml.load"):
+    for what in (
+        "pickle",
+        "cloudpickle",
+        "eval(",
+        "exec(",
+        "torch.load('f.pt')",
+        "allow_pickle=True",
+        "yaml.load",
+    ):
         assert what in text, (what, text)
     assert len(found) == 7, text  # nothing from the comment, the string, model.eval() or weights_only=True

@@ -23,8 +23,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _rlbus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "rlbus.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rlbus.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def _row(text: str, first: str) -> list[str]:
@@ -67,10 +68,21 @@ def _status_once_learner_and_rollout_reported(config_path: Path, deadline_s: flo
 @pytest.mark.timeout(300)
 def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Path) -> None:
     # Long enough to be still running while status looks at it on a fast machine; stopped once checked.
-    cfg = make_config(nats_url, run_id, tmp_path, [
-        "trainer.total_training_steps=400", "data.train_batch_size=8", "rollout.n=4", "rollout.prompts_per_batch=4",
-        "trainer.async_level=1", "trainer.val_before_train=true", "trainer.test_freq=0", "data.num_val_examples=16",
-    ])
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.total_training_steps=400",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "rollout.prompts_per_batch=4",
+            "trainer.async_level=1",
+            "trainer.val_before_train=true",
+            "trainer.test_freq=0",
+            "data.num_val_examples=16",
+        ],
+    )
     with Run(cfg) as run:
         run.wait_for_step(2, 180)
         text = _status_once_learner_and_rollout_reported(run.config_path, deadline_s=60)
@@ -93,8 +105,12 @@ def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Pat
         assert "last step: step " in text
 
         # --watch redraws every 2 s until Ctrl-C, then exits 0.
-        watch = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "status", "--config", str(run.config_path),
-                                  "--watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "rlbus.cli", "status", "--config", str(run.config_path), "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(5.5)
         watch.send_signal(signal.SIGINT)
         w_out, w_err = watch.communicate(timeout=20)
@@ -132,18 +148,40 @@ def test_status_of_an_unknown_run(nats_url: str, run_id: str) -> None:
     assert f"run {run_id!r} has no state" in out.stderr
 
 
-async def test_collect_status_reads_heartbeats_versions_depths_and_dead_letters(bus: Bus, run_id: str) -> None:
+async def test_collect_status_reads_heartbeats_versions_depths_and_dead_letters(
+    bus: Bus, run_id: str
+) -> None:
     from rlbus.bus.transport import DeadLetter  # noqa: F401 - the type dead_letters() returns
 
     state = await bus.state()
     await state.set_policy_version(7)
     now = time.time()
     for hb in (
-        Heartbeat(run_id=run_id, service="learner", instance_id="learner", policy_version=7, time=now, status="ready"),
-        Heartbeat(run_id=run_id, service="rollout", instance_id="rollout-0", policy_version=6, time=now,
-                  status="ready", stats={"tokens_per_s": 123.4, "groups": 40.0, "weight_ranks": 1.0}),
-        Heartbeat(run_id=run_id, service="rollout", instance_id="rollout-9", policy_version=2, time=now - 300,
-                  status="ready"),
+        Heartbeat(
+            run_id=run_id,
+            service="learner",
+            instance_id="learner",
+            policy_version=7,
+            time=now,
+            status="ready",
+        ),
+        Heartbeat(
+            run_id=run_id,
+            service="rollout",
+            instance_id="rollout-0",
+            policy_version=6,
+            time=now,
+            status="ready",
+            stats={"tokens_per_s": 123.4, "groups": 40.0, "weight_ranks": 1.0},
+        ),
+        Heartbeat(
+            run_id=run_id,
+            service="rollout",
+            instance_id="rollout-9",
+            policy_version=2,
+            time=now - 300,
+            status="ready",
+        ),
     ):
         await state.heartbeat(hb)
     await bus.publish_raw(Stage.TRAJECTORIES, b"\xc1 not msgpack")
@@ -167,15 +205,35 @@ async def test_collect_status_reads_heartbeats_versions_depths_and_dead_letters(
 
 def test_render_status_without_live_services() -> None:
     snap = {
-        "run_id": "r1", "time": time.time(), "policy_version": 3, "alive_s": 10.0, "dead_letters_total": 0,
-        "instances": [], "stages": {s.value: {"depth": 0, "pending": 0, "in_work": 0, "dead_letters": 0,
-                                              "consumers": []} for s in Stage},
+        "run_id": "r1",
+        "time": time.time(),
+        "policy_version": 3,
+        "alive_s": 10.0,
+        "dead_letters_total": 0,
+        "instances": [],
+        "stages": {
+            s.value: {"depth": 0, "pending": 0, "in_work": 0, "dead_letters": 0, "consumers": []}
+            for s in Stage
+        },
     }
     text = render_status(snap)
     assert "NO SERVICES ALIVE: no heartbeat in the last 10s" in text
     assert _row(text, "prompts")[1] == "0"
-    stale = {**snap, "instances": [{"service": "learner", "instance": "learner", "status": "ready", "age_s": 99.0,
-                                     "alive": False, "policy_version": 3, "host": "h", "stats": {}}]}
+    stale = {
+        **snap,
+        "instances": [
+            {
+                "service": "learner",
+                "instance": "learner",
+                "status": "ready",
+                "age_s": 99.0,
+                "alive": False,
+                "policy_version": 3,
+                "host": "h",
+                "stats": {},
+            }
+        ],
+    }
     text = render_status(stale)
     assert "NO SERVICES ALIVE" in text and "1 stale instance(s)" in text
     assert _row(text, "learner learner")[3:5] == ["1.6m", "NO"]
@@ -191,12 +249,23 @@ def test_plot_errors_clearly_on_a_missing_or_empty_file(tmp_path: Path) -> None:
     with pytest.raises(PlotError, match="none of"):
         plot_run(tmp_path)
     out = _rlbus("plot", str(tmp_path / "nowhere"))
-    assert out.returncode == 1 and "rlbus plot: no metrics file" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 1 and "rlbus plot: no metrics file" in out.stderr and "Traceback" not in out.stderr
+    )
 
 
 def test_plot_draws_kl_and_val_points_and_skips_a_torn_last_line(tmp_path: Path) -> None:
-    rows = [{"step": s, "reward/mean": s / 10, "reward/accuracy": s / 20, "actor/kl": 0.01 * s,
-             "response/length_mean": 3 + s, "perf/tokens_per_s": 100.0 + s} for s in range(1, 11)]
+    rows = [
+        {
+            "step": s,
+            "reward/mean": s / 10,
+            "reward/accuracy": s / 20,
+            "actor/kl": 0.01 * s,
+            "response/length_mean": 3 + s,
+            "perf/tokens_per_s": 100.0 + s,
+        }
+        for s in range(1, 11)
+    ]
     rows.insert(0, {"step": 0, "val/accuracy": 0.4})
     rows.append({"step": 10, "val/accuracy": 0.6, "policy/version": 10.0})
     text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 11, "reward/me'

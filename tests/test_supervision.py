@@ -44,15 +44,33 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_killed_services_are_restarted_and_the_run_finishes(tmp_path: Path, nats_url: str, run_id: str) -> None:
+def test_killed_services_are_restarted_and_the_run_finishes(
+    tmp_path: Path, nats_url: str, run_id: str
+) -> None:
     run_dir = tmp_path / "runs" / run_id
     up = subprocess.Popen(
-        [sys.executable, "-m", "rlbus.cli", "up", f"bus.url={nats_url}", f"run.id={run_id}",
-         f"run.dir={tmp_path / 'runs'}", *FAST, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=10",
-         "trainer.test_freq=-1", "trainer.val_before_train=false", "run.restart_backoff_s=0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "up",
+            f"bus.url={nats_url}",
+            f"run.id={run_id}",
+            f"run.dir={tmp_path / 'runs'}",
+            *FAST,
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=10",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "run.restart_backoff_s=0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
     )
     try:
+
         def step() -> int:
             rows = read_metrics(run_dir)
             return int(rows[-1]["step"]) if rows else 0

@@ -35,11 +35,17 @@ class TrainBatch:
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         pick = lambda t: None if t is None else t[idx_t]  # noqa: E731
         return TrainBatch(
-            input_ids=pick(self.input_ids), attention_mask=pick(self.attention_mask),
-            position_ids=pick(self.position_ids), response_mask=pick(self.response_mask),
-            behaviour_logprobs=pick(self.behaviour_logprobs), ref_logprobs=pick(self.ref_logprobs),
-            rewards=pick(self.rewards), correct=pick(self.correct), group_ids=pick(self.group_ids),
-            policy_versions=pick(self.policy_versions), temperature=self.temperature,
+            input_ids=pick(self.input_ids),
+            attention_mask=pick(self.attention_mask),
+            position_ids=pick(self.position_ids),
+            response_mask=pick(self.response_mask),
+            behaviour_logprobs=pick(self.behaviour_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            rewards=pick(self.rewards),
+            correct=pick(self.correct),
+            group_ids=pick(self.group_ids),
+            policy_versions=pick(self.policy_versions),
+            temperature=self.temperature,
         )
 
 
@@ -79,8 +85,15 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
         if ref is not None:
             ref[b, start:end] = torch.from_numpy(refs[b][: len(r)])
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention, position_ids=position_ids, response_mask=resp_mask,
-        behaviour_logprobs=beh, ref_logprobs=ref, rewards=torch.tensor(rewards, dtype=torch.float32),
-        correct=torch.tensor(correct, dtype=torch.bool), group_ids=torch.tensor(group_ids, dtype=torch.long),
-        policy_versions=torch.tensor(versions, dtype=torch.long), temperature=temperature,
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=position_ids,
+        response_mask=resp_mask,
+        behaviour_logprobs=beh,
+        ref_logprobs=ref,
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        correct=torch.tensor(correct, dtype=torch.bool),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        policy_versions=torch.tensor(versions, dtype=torch.long),
+        temperature=temperature,
     )

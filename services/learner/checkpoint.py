@@ -90,7 +90,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             return latest
     if path.is_dir() and _STEP_RE.match(path.name):
         raise CheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): a save was interrupted")
-    raise CheckpointError(f"no complete checkpoint at {path} (expected step_N/ with a {COMPLETE_MARKER} file)")
+    raise CheckpointError(
+        f"no complete checkpoint at {path} (expected step_N/ with a {COMPLETE_MARKER} file)"
+    )
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
@@ -143,7 +145,9 @@ def _barrier() -> None:
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it 'assumes a single process' when no group is up: that is what we mean."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled, unavailable or uninit.*")
+        warnings.filterwarnings(
+            "ignore", message=r".*torch\.distributed is disabled, unavailable or uninit.*"
+        )
         yield
 
 
@@ -243,8 +247,11 @@ def _save_hf_files(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
         src = Path(str(getattr(config, "_name_or_path", "") or getattr(inner, "name_or_path", "") or ""))
         if src.is_dir():
             for f in src.iterdir():
-                if f.is_file() and (f.name.startswith("tokenizer") or f.name in (
-                        "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
+                if f.is_file() and (
+                    f.name.startswith("tokenizer")
+                    or f.name
+                    in ("special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+                ):
                     shutil.copy2(f, out / f.name)
 
 
@@ -259,8 +266,9 @@ def _trainer_state(trainer: Any) -> dict[str, Any]:
     return out
 
 
-def save_checkpoint(path: str | os.PathLike, trainer: Any, extra: dict[str, Any] | None = None,
-                    tokenizer: Any = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike, trainer: Any, extra: dict[str, Any] | None = None, tokenizer: Any = None
+) -> Path:
     """Writes `trainer` (model, optimizer, scheduler, KL controller), the RNG states and `extra` to `path`.
 
     `path` is the final step directory (`step_dir(root, step)`); it appears only once complete. `extra`
@@ -292,8 +300,13 @@ def save_checkpoint(path: str | os.PathLike, trainer: Any, extra: dict[str, Any]
         tstate = _trainer_state(trainer)
         if critic is not None:
             tstate["critic_scheduler"] = critic.scheduler.state_dict()
-        meta = {"format": FORMAT_VERSION, "world_size": _world(), "saved_at": time.time(),
-                "trainer": tstate, "extra": extra or {}}
+        meta = {
+            "format": FORMAT_VERSION,
+            "world_size": _world(),
+            "saved_at": time.time(),
+            "trainer": tstate,
+            "extra": extra or {},
+        }
         _write_json(tmp / "meta.json", meta)
         _save_hf_files(trainer.model, tokenizer, tmp / "hf")
     _barrier()
@@ -328,7 +341,9 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
     path = Path(path)
     meta = read_meta(path)
     if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}"
+        )
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
@@ -336,8 +351,9 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
             dcp.load(state, checkpoint_id=str(path / "state"))
     except Exception as exc:
         raise CheckpointError(f"{path}: model/optimizer state does not fit this trainer: {exc}") from exc
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     tstate = meta.get("trainer", {})
     critic = getattr(trainer, "critic", None)
     if critic is not None:
@@ -347,8 +363,12 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
         c_state = {"model": c_model, "optim": c_optim}
         with _single_process_quiet():
             dcp.load(c_state, checkpoint_id=str(path / "critic"))
-        set_state_dict(critic.model, critic.optimizer, model_state_dict=c_state["model"],
-                       optim_state_dict=c_state["optim"])
+        set_state_dict(
+            critic.model,
+            critic.optimizer,
+            model_state_dict=c_state["model"],
+            optim_state_dict=c_state["optim"],
+        )
         if "critic_scheduler" in tstate:
             critic.scheduler.load_state_dict(tstate["critic_scheduler"])
     sched = getattr(trainer, "scheduler", None)
@@ -376,7 +396,7 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     target: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
-            target[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
+            target[key[len("model.") :]] = torch.empty(md.size, dtype=md.properties.dtype)
     if not target:
         raise CheckpointError(f"{path}: no model tensors in the DCP metadata")
     with _single_process_quiet():

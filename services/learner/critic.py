@@ -47,7 +47,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """[B, L-1] values: entry t is V(prefix up to and including token t), aligned with token_logprobs."""
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -77,29 +79,37 @@ class Critic:
         path = cfg.critic.model_path or model_path
         self.model = ValueModel(load_backbone(path, cfg.model.dtype, cfg.model.trust_remote_code)).to(device)
         self.model.train()
-        if cfg.model.enable_gradient_checkpointing and hasattr(self.model.backbone, "gradient_checkpointing_enable"):
+        if cfg.model.enable_gradient_checkpointing and hasattr(
+            self.model.backbone, "gradient_checkpointing_enable"
+        ):
             self.model.backbone.gradient_checkpointing_enable()
         optim = cfg.critic.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas,
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=optim.betas,
             weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_lambda(s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler,
-                                optim.min_lr_ratio),
+            lambda s: lr_lambda(
+                s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler, optim.min_lr_ratio
+            ),
         )
 
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
-        return self.model(mb.input_ids.to(self.device), mb.attention_mask.to(self.device),
-                          mb.position_ids.to(self.device))
+        return self.model(
+            mb.input_ids.to(self.device), mb.attention_mask.to(self.device), mb.position_ids.to(self.device)
+        )
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, micro: int | None = None) -> torch.Tensor:
         """[B, L-1] float32 values on the CPU, 0 off the response (what GAE and the value clip use)."""
         micro = micro or self.cfg.actor.ppo_micro_batch_size
-        chunks = [self._forward(batch.select(range(i, min(i + micro, batch.size)))).float().cpu()
-                  for i in range(0, batch.size, micro)]
+        chunks = [
+            self._forward(batch.select(range(i, min(i + micro, batch.size)))).float().cpu()
+            for i in range(0, batch.size, micro)
+        ]
         return torch.cat(chunks) * batch.response_mask
 
     def update(
@@ -134,8 +144,13 @@ class Critic:
                     m = mb.response_mask.to(self.device)
                     vpred = self._forward(mb)
                     vf_loss, clipfrac = clipped_value_loss(
-                        vpred, mini_old[idx].to(self.device), mini_ret[idx].to(self.device), m,
-                        ccfg.cliprange_value, "token-mean", **agg,
+                        vpred,
+                        mini_old[idx].to(self.device),
+                        mini_ret[idx].to(self.device),
+                        m,
+                        ccfg.cliprange_value,
+                        "token-mean",
+                        **agg,
                     )
                     (ccfg.value_loss_coef * vf_loss).backward()
                     mini_loss += float(vf_loss.detach())
@@ -160,8 +175,11 @@ class Critic:
         }
 
     def state_dict(self) -> dict[str, object]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.model.load_state_dict(state["model"])

@@ -96,8 +96,10 @@ def record_to_item(rec: dict[str, Any], cfg: DataConfig) -> tuple[str | list[dic
         return prompt, meta
     if isinstance(prompt, list | tuple) and all(isinstance(m, dict) and "content" in m for m in prompt):
         return [dict(m) for m in prompt], meta
-    raise DataError(f"data.prompt_key '{cfg.prompt_key}' holds {type(prompt).__name__}: expected text or chat "
-                     "messages ({role, content} dicts)")
+    raise DataError(
+        f"data.prompt_key '{cfg.prompt_key}' holds {type(prompt).__name__}: expected text or chat "
+        "messages ({role, content} dicts)"
+    )
 
 
 def load_split(cfg: DataConfig, split: str) -> list[tuple[str | list[dict[str, Any]], dict[str, Any]]]:
@@ -137,7 +139,8 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> str:
         import logging
 
         logging.getLogger("rlbus.data").warning(
-            "the tokenizer has no chat template: chat prompts are their messages' contents joined by newlines")
+            "the tokenizer has no chat template: chat prompts are their messages' contents joined by newlines"
+        )
     return "\n".join(str(m.get("content", "")) for m in prompt)
 
 
@@ -152,13 +155,18 @@ def truncate_prompt(ids: list[int], max_len: int, mode: str) -> list[int]:
     if mode == "middle":
         head = max_len // 2
         return ids[:head] + ids[len(ids) - (max_len - head) :]
-    raise DataError(f"prompt of {len(ids)} tokens is over data.max_prompt_length={max_len} and "
-                     "data.truncation=error: raise the limit, set data.truncation=left|right|middle, or "
-                     "data.filter_overlong_prompts=true")
+    raise DataError(
+        f"prompt of {len(ids)} tokens is over data.max_prompt_length={max_len} and "
+        "data.truncation=error: raise the limit, set data.truncation=left|right|middle, or "
+        "data.filter_overlong_prompts=true"
+    )
 
 
 def prepare_prompts(
-    records: list[tuple[str | list[dict[str, Any]], dict[str, Any]]], tokenizer: Any, cfg: DataConfig, split: str
+    records: list[tuple[str | list[dict[str, Any]], dict[str, Any]]],
+    tokenizer: Any,
+    cfg: DataConfig,
+    split: str,
 ) -> list[tuple[str, dict[str, Any]]]:
     """Render chat prompts, then apply verl's overlong rules at start: filter, or refuse (truncation=error)
     naming the keys, so no run dies (or silently trains on cut prompts) halfway through."""

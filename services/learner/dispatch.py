@@ -27,7 +27,9 @@ class Ledger:
     trained: dict[str, int] = field(default_factory=dict)  # prompt id -> step it was trained in
     dropped: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
     duplicates: int = 0
-    leftovers: int = 0  # results of work a crashed learner attempt dispatched: superseded, acked, never trained
+    leftovers: int = (
+        0  # results of work a crashed learner attempt dispatched: superseded, acked, never trained
+    )
 
     @property
     def in_flight(self) -> int:
@@ -49,13 +51,23 @@ class Ledger:
         return sum(1 for r in self.dropped.values() if r == reason)
 
     def to_dict(self) -> dict:
-        return {"dispatched": dict(self.dispatched), "trained": dict(self.trained), "dropped": dict(self.dropped),
-                "duplicates": self.duplicates, "leftovers": self.leftovers}
+        return {
+            "dispatched": dict(self.dispatched),
+            "trained": dict(self.trained),
+            "dropped": dict(self.dropped),
+            "duplicates": self.duplicates,
+            "leftovers": self.leftovers,
+        }
 
     @classmethod
     def from_dict(cls, raw: dict) -> Ledger:
-        return cls(dict(raw["dispatched"]), dict(raw["trained"]), dict(raw["dropped"]), int(raw.get("duplicates", 0)),
-                   int(raw.get("leftovers", 0)))
+        return cls(
+            dict(raw["dispatched"]),
+            dict(raw["trained"]),
+            dict(raw["dropped"]),
+            int(raw.get("duplicates", 0)),
+            int(raw.get("leftovers", 0)),
+        )
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -93,9 +105,14 @@ class Dispatcher:
         self.bus = bus
         self.ledger = ledger
         r = cfg.rollout
-        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                       max_tokens=cfg.data.max_response_length, stop=list(r.stop),
-                                       ignore_eos=r.ignore_eos)
+        self.sampling = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=cfg.data.max_response_length,
+            stop=list(r.stop),
+            ignore_eos=r.ignore_eos,
+        )
         self.id_tag = ""  # per learner attempt ("a1-" after the first): JetStream dedups msg ids for minutes
         self.requeue: deque[int] = deque()  # data indices to dispatch again before new ones (after a resume)
 
@@ -129,11 +146,20 @@ class Dispatcher:
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}"
             sampling = self.sampling  # unseeded: replicas batch it with other work
             if self.cfg.rollout.seed_per_prompt:
-                sampling = sampling.model_copy(update={"seed": prompt_seed(self.cfg.rollout.seed, item.index)})
+                sampling = sampling.model_copy(
+                    update={"seed": prompt_seed(self.cfg.rollout.seed, item.index)}
+                )
             work = PromptWork(
-                run_id=self.cfg.run.id, prompt_id=prompt_id, index=item.index, step=step,
-                min_policy_version=version, prompt_ids=prompt_ids, prompt_text=item.prompt, meta=item.meta,
-                n=self.cfg.rollout.n, sampling=sampling,
+                run_id=self.cfg.run.id,
+                prompt_id=prompt_id,
+                index=item.index,
+                step=step,
+                min_policy_version=version,
+                prompt_ids=prompt_ids,
+                prompt_text=item.prompt,
+                meta=item.meta,
+                n=self.cfg.rollout.n,
+                sampling=sampling,
             )
             await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
             self.ledger.dispatched[prompt_id] = item.index
@@ -150,8 +176,17 @@ class Dispatcher:
             prompt_ids = self._prompt_ids(prompt)
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}"
             work = PromptWork(
-                run_id=self.cfg.run.id, prompt_id=prompt_id, index=i, step=step, min_policy_version=version,
-                prompt_ids=prompt_ids, prompt_text=prompt, meta=meta, n=1, sampling=greedy, split="val",
+                run_id=self.cfg.run.id,
+                prompt_id=prompt_id,
+                index=i,
+                step=step,
+                min_policy_version=version,
+                prompt_ids=prompt_ids,
+                prompt_text=prompt,
+                meta=meta,
+                n=1,
+                sampling=greedy,
+                split="val",
             )
             await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
             pending[prompt_id] = i

@@ -46,7 +46,9 @@ def _write_dir_atomically(out: Path, write) -> Path:
     return out
 
 
-def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None) -> Path:
+def export_hf(
+    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None
+) -> Path:
     """A Hugging Face safetensors directory from a learner checkpoint (a step dir, or the latest under a
     checkpoints root / run dir). Runs in one process whatever wrote the checkpoint (DCP reshards)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -68,7 +70,9 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, dty
         missing = set(model.state_dict()) - set(state)
         tied = _tied_keys(model)
         if missing - tied:
-            raise CheckpointError(f"{ckpt}: checkpoint lacks weights {sorted(missing - tied)[:5]} of {config.model_type}")
+            raise CheckpointError(
+                f"{ckpt}: checkpoint lacks weights {sorted(missing - tied)[:5]} of {config.model_type}"
+            )
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         for f in hf_dir.iterdir():  # tokenizer, and the generation config saved from training
             if f.is_file() and (f.name not in _NOT_TOKENIZER or f.name == "generation_config.json"):
@@ -105,7 +109,7 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
     out = Path(out_dir)
     lora = is_lora(model)
     # LoRA: write the merged weights under the base names, a model any engine loads (not just the adapter)
-    state = ({k: v.detach().to("cpu") for k, v in full_state_items(model)} if lora else full_model_state(model))
+    state = {k: v.detach().to("cpu") for k, v in full_state_items(model)} if lora else full_model_state(model)
     target = hf_module(model).get_base_model() if lora else hf_module(model)
     if _rank() == 0:
         old = out.with_name(out.name + ".old")

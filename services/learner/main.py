@@ -16,7 +16,9 @@ def run_learner(cfg: RlbusConfig) -> int:
     from rlbus.service import run_service
 
     # Workers idle in a gloo broadcast while rank 0 waits for rollouts: never shorter than that wait.
-    timeout_s = max(parallel.DEFAULT_TIMEOUT_S, 3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s)
+    timeout_s = max(
+        parallel.DEFAULT_TIMEOUT_S, 3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s
+    )
     ctx = parallel.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
     try:
         if not ctx.is_leader:

@@ -21,7 +21,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     ``exp_avg_sq`` (fp32) and ``step``. After each step the parameters are the master rounded to their dtype."""
 
     def __init__(
-        self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float], eps: float,
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
         weight_decay: float,
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
@@ -50,9 +54,23 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             fused = masters[0].is_cuda
-            adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None if fused else True,
-                  fused=fused or None, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            adamw(
+                masters,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                foreach=None if fused else True,
+                fused=fused or None,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
             torch._foreach_copy_(params, masters)
         return loss
 
@@ -62,9 +80,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         fp32 = {
-            i: {k: v.detach().to(torch.float32, copy=True) for k, v in state_dict["state"][i].items()
-                if k != "step" and torch.is_tensor(v)}
-            for i in saved_ids if i in state_dict["state"]
+            i: {
+                k: v.detach().to(torch.float32, copy=True)
+                for k, v in state_dict["state"][i].items()
+                if k != "step" and torch.is_tensor(v)
+            }
+            for i in saved_ids
+            if i in state_dict["state"]
         }
         super().load_state_dict(state_dict)
         for i, p in zip(saved_ids, params, strict=True):
@@ -76,7 +98,12 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; fused on CUDA. A model that `parallel.build_policy_model` left
     in bf16/fp16 for ``actor.master_weights`` (optimizer, or auto on one rank) gets `MasterWeightAdamW`."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+    kwargs = {
+        "lr": optim.lr,
+        "betas": tuple(optim.betas),
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
     if getattr(model, "_rlbus_master_in_optimizer", False):
         return MasterWeightAdamW(params, **kwargs)
     fused = bool(params) and params[0].is_cuda

@@ -120,7 +120,9 @@ class DistContext:
         dist.broadcast(header, src=0)
         magic, op, nbytes, _ = (int(x) for x in header.tolist())
         if magic != _MAGIC or op not in _OP_NAMES:
-            raise RuntimeError(f"rank {self.rank}: bad op header {header.tolist()}: the ranks are out of step")
+            raise RuntimeError(
+                f"rank {self.rank}: bad op header {header.tolist()}: the ranks are out of step"
+            )
         payload = None
         if nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -203,7 +205,9 @@ class DistContext:
 class _LedGather:
     """Iterator of ``(name, full tensor)`` on rank 0 whose first ``next()`` starts the workers' gather."""
 
-    def __init__(self, ctx: DistContext, make_items: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+    def __init__(
+        self, ctx: DistContext, make_items: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    ) -> None:
         self.ctx = ctx
         self.make_items = make_items
         self.items: Iterator | None = None
@@ -282,8 +286,9 @@ def init_distributed(device_pref: str = "auto", timeout_s: float = DEFAULT_TIMEO
         dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
         _CTX = DistContext(rank, world, local_rank, device, True)
     elif use_cuda:
-        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         _CTX = DistContext(0, 1, local_rank, device, True)
     else:
         _CTX = DistContext(0, 1, 0, device, False)
@@ -409,13 +414,21 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     mode = cfg.actor.master_weights
     master_in_optimizer = mcfg.dtype != "float32" and (mode == "optimizer" or (mode == "auto" and not fsdp))
     if master_in_optimizer and fsdp:
-        raise RuntimeError("actor.master_weights=optimizer needs one learner rank without offload; under FSDP2 "
-                           "the fp32 master weights are the sharded parameters (actor.master_weights=model)")
-    mixed = ctx.initialized and ctx.device.type == "cuda" and mcfg.dtype != "float32" and not master_in_optimizer
+        raise RuntimeError(
+            "actor.master_weights=optimizer needs one learner rank without offload; under FSDP2 "
+            "the fp32 master weights are the sharded parameters (actor.master_weights=model)"
+        )
+    mixed = (
+        ctx.initialized and ctx.device.type == "cuda" and mcfg.dtype != "float32" and not master_in_optimizer
+    )
     attn = packed_attention(ctx.device, torch_dtype(mcfg.dtype)) if mcfg.use_remove_padding else "sdpa"
     model = load_causal_lm(
-        model_path, "float32" if mixed else mcfg.dtype, "cpu" if fsdp else ctx.device, trainable=True,
-        attn_implementation=attn, trust_remote_code=mcfg.trust_remote_code,
+        model_path,
+        "float32" if mixed else mcfg.dtype,
+        "cpu" if fsdp else ctx.device,
+        trainable=True,
+        attn_implementation=attn,
+        trust_remote_code=mcfg.trust_remote_code,
     )
     if mcfg.use_liger:
         apply_liger(model)
@@ -450,18 +463,29 @@ def apply_liger(model: nn.Module) -> None:
         raise RuntimeError(f"model.use_liger=true needs the liger-kernel package: {exc}") from exc
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        log.warning("model.use_liger: Liger has no kernels for this model type; left unchanged", model_type=model_type)
+        log.warning(
+            "model.use_liger: Liger has no kernels for this model type; left unchanged", model_type=model_type
+        )
         return
-    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: int, target_modules: list[str] | str, seed: int) -> nn.Module:
+def apply_lora(
+    model: nn.Module, rank: int, alpha: int, target_modules: list[str] | str, seed: int
+) -> nn.Module:
     """peft LoRA adapters; only they stay trainable. Initialised from ``seed`` so every rank agrees."""
     from peft import LoraConfig, get_peft_model
 
-    lcfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
-                      task_type="CAUSAL_LM")
+    lcfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, lcfg)
@@ -479,7 +503,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype | None, offload: bool) -> nn.Module:
+def shard_model(
+    model: nn.Module, ctx: DistContext, param_dtype: torch.dtype | None, offload: bool
+) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, a tied lm_head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -487,9 +513,12 @@ def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype | N
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     kwargs: dict[str, Any] = {
         "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
-                                          reduce_dtype=torch.float32 if param_dtype is not None else None),
-        "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy(),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+        ),
+        "offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
+        if offload
+        else OffloadPolicy(),
     }
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -512,8 +541,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         mesh_type = t.device_mesh.device_type
         local = t.to_local()
         if local.device.type != mesh_type:  # CPU-offloaded shard: gather on the mesh's device
-            t = DTensor.from_local(local.to(mesh_type), t.device_mesh, t.placements, shape=t.shape,
-                                   stride=t.stride())
+            t = DTensor.from_local(
+                local.to(mesh_type), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+            )
         return t.full_tensor()
     return t.detach()
 
@@ -533,7 +563,9 @@ def _lora_delta(model: nn.Module, module_path: str) -> torch.Tensor | None:
     for adapter in module.active_adapters:
         if adapter not in module.lora_A:
             if adapter in getattr(module, "lora_embedding_A", {}):
-                raise NotImplementedError("LoRA on embeddings: leave embed_tokens out of model.target_modules")
+                raise NotImplementedError(
+                    "LoRA on embeddings: leave embed_tokens out of model.target_modules"
+                )
             continue
         a = _full(module.lora_A[adapter].weight).float()
         b = _full(module.lora_B[adapter].weight).float()
@@ -544,7 +576,9 @@ def _lora_delta(model: nn.Module, module_path: str) -> torch.Tensor | None:
     return sum(deltas) if deltas else None
 
 
-def full_state_items(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def full_state_items(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` in ``state_dict`` order, one at a time (then freed by the consumer).
 
     Under FSDP2 every rank must iterate this to the end together (each item is an all-gather); every rank
@@ -561,7 +595,9 @@ def full_state_items(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
 
 
 @torch.no_grad()
-def _full_item(model: nn.Module, name: str, t: torch.Tensor, lora: bool, dtype: torch.dtype | None) -> torch.Tensor:
+def _full_item(
+    model: nn.Module, name: str, t: torch.Tensor, lora: bool, dtype: torch.dtype | None
+) -> torch.Tensor:
     full = _full(t)
     if lora and name.endswith(".base_layer.weight"):
         delta = _lora_delta(model, name.removesuffix(".base_layer.weight"))
@@ -648,7 +684,11 @@ class MicroBatch:
 
 
 def plan_micro_batches(
-    batch: TrainBatch, ctx: DistContext, micro_batch_size: int, packed: bool, max_tokens: int,
+    batch: TrainBatch,
+    ctx: DistContext,
+    micro_batch_size: int,
+    packed: bool,
+    max_tokens: int,
     positions: Iterable[int] | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of ``batch`` (or of its ``positions``), in the order to run them.
@@ -727,9 +767,15 @@ def _forward_logprobs(
     bsz, width = mb.input_ids.shape
     if not packed:
         w = max(int(lengths.max()), 2)
-        out = token_logprobs(model, mb.input_ids[:, :w].to(device), mb.attention_mask[:, :w].to(device),
-                             mb.position_ids[:, :w].to(device), mb.temperature, return_entropy=entropy,
-                             chunk_tokens=chunk)
+        out = token_logprobs(
+            model,
+            mb.input_ids[:, :w].to(device),
+            mb.attention_mask[:, :w].to(device),
+            mb.position_ids[:, :w].to(device),
+            mb.temperature,
+            return_entropy=entropy,
+            chunk_tokens=chunk,
+        )
         lp, ent = out if entropy else (out, None)
         pad = width - w
         if pad:
@@ -739,8 +785,15 @@ def _forward_logprobs(
     keep = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L] real tokens (right padded)
     ids = mb.input_ids[keep].unsqueeze(0)
     pos = mb.position_ids[keep].unsqueeze(0)
-    out = token_logprobs(model, ids.to(device), None, pos.to(device), mb.temperature, return_entropy=entropy,
-                         chunk_tokens=chunk)
+    out = token_logprobs(
+        model,
+        ids.to(device),
+        None,
+        pos.to(device),
+        mb.temperature,
+        return_entropy=entropy,
+        chunk_tokens=chunk,
+    )
     lp_p, ent_p = out if entropy else (out, None)
     # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
     offsets = torch.cumsum(lengths, 0) - lengths
@@ -802,9 +855,16 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _cu_cache["value"]
 
 
-def _varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                              scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _varlen_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
@@ -812,8 +872,9 @@ def _varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
 
     position_ids = kwargs.get("position_ids")
     if query.shape[0] != 1:  # a padded batch (scoring outside the packed path): plain sdpa with its mask
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if position_ids is None or kwargs.get("sliding_window") or dropout:
         raise RuntimeError("varlen attention needs position ids, no sliding window and no dropout")
     cu, max_len = _cu_seqlens(position_ids)

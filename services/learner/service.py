@@ -56,13 +56,19 @@ def batch_metrics(groups: list[ReadyGroup], version: int) -> dict[str, float]:
     errors = sum(e is not None for g in groups for e in g.scored.reward_errors)
     hist = Counter(lags)
     out = {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        "reward/accuracy": float(correct.mean()), "reward/errors": float(errors),
-        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-        "response/clip_frac": float(np.mean([s.finish_reason == "length" for g in groups
-                                             for s in g.scored.trajectories.samples])),
-        "staleness/mean": float(np.mean(lags)), "staleness/max": float(max(lags)),
-        "timing/generate_s_per_group": float(np.mean(gen)), "timing/reward_s_per_group": float(np.mean(rew)),
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/accuracy": float(correct.mean()),
+        "reward/errors": float(errors),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_frac": float(
+            np.mean([s.finish_reason == "length" for g in groups for s in g.scored.trajectories.samples])
+        ),
+        "staleness/mean": float(np.mean(lags)),
+        "staleness/max": float(max(lags)),
+        "timing/generate_s_per_group": float(np.mean(gen)),
+        "timing/reward_s_per_group": float(np.mean(rew)),
     }
     for lag, count in hist.items():
         out[f"staleness/hist_{lag}"] = float(count)
@@ -121,7 +127,9 @@ class Learner:
         device = pick_device(cfg.trainer.device)
         from rlbus.weight_transport import require_cuda
 
-        require_cuda(cfg.trainer.weight_sync_backend, "trainer.device", device.type)  # compose/k8s: no launcher check
+        require_cuda(
+            cfg.trainer.weight_sync_backend, "trainer.device", device.type
+        )  # compose/k8s: no launcher check
         self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
         self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
         self.dispatcher.id_tag = f"a{self.attempt}-" if self.attempt else ""
@@ -130,12 +138,20 @@ class Learner:
         self.pusher = WeightPusher(self.ctx, device)
         self.pusher.epoch = self._stale_epoch  # our weight groups get epochs no replica has seen
         await self.pusher.start()
-        self.writer = MetricsWriter(self.run_dir, cfg.trainer.logger, self.total_steps, cfg.trainer.project_name,
-                                    cfg.trainer.experiment_name)
+        self.writer = MetricsWriter(
+            self.run_dir,
+            cfg.trainer.logger,
+            self.total_steps,
+            cfg.trainer.project_name,
+            cfg.trainer.experiment_name,
+        )
         from rlbus.bus import Stage
 
         self.consumer = await self.ctx.bus.consumer(
-            Stage.READY, durable="learner", expected=ReadyGroup, ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
+            Stage.READY,
+            durable="learner",
+            expected=ReadyGroup,
+            ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
             max_deliver=self.cfg.bus.max_deliver,
         )
         await self.ctx.bus.nc.subscribe(self.ctx.bus.names.dlq_wildcard, cb=self._on_dead_letter)
@@ -150,8 +166,9 @@ class Learner:
     def _resume_target(self) -> Path | None:
         from rlbus.learner.checkpoint import resume_target
 
-        return resume_target(self.run_dir, self.cfg.trainer.resume_mode, self.ctx.log,
-                             self.cfg.trainer.default_local_dir)
+        return resume_target(
+            self.run_dir, self.cfg.trainer.resume_mode, self.ctx.log, self.cfg.trainer.default_local_dir
+        )
 
     async def _prepare_bus(self, fresh: bool) -> None:
         """A fresh start empties the run's streams; a resume keeps them (replica heartbeats, weight
@@ -185,9 +202,16 @@ class Learner:
         self.dispatcher.requeue.extend(again)
         rewind_metrics(self.run_dir, self.start_step)
         self.ledger.save(self.run_dir / "ledger.json")
-        self.ctx.log.info("resumed from checkpoint", path=str(path), step=self.start_step, version=self.version,
-                          loader_position=self.loader.position, redispatch=len(again), attempt=self.attempt,
-                          seconds=round(time.perf_counter() - t0, 2))
+        self.ctx.log.info(
+            "resumed from checkpoint",
+            path=str(path),
+            step=self.start_step,
+            version=self.version,
+            loader_position=self.loader.position,
+            redispatch=len(again),
+            attempt=self.attempt,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
 
     async def _forget_announcement(self) -> None:
         """The crashed attempt's weight announcement names a group that is gone: a replica starting now
@@ -205,10 +229,15 @@ class Learner:
         """Replicas may hold other weights (the crashed attempt pushed after the checkpoint, or an earlier
         run's): push ours at once, at our version, so every replica generates with exactly them."""
         self._forced_push_at = time.monotonic()
-        self.pusher.transports = None  # a new group epoch: a replica skips an (epoch, version) it already took
+        self.pusher.transports = (
+            None  # a new group epoch: a replica skips an (epoch, version) it already took
+        )
         ok = await self.pusher.push(self._named_weights, self.version)
-        self.ctx.log.info("weights pushed to overwrite other attempts'" if ok else "overwrite push failed; will retry",
-                          version=self.version, reason=reason)
+        self.ctx.log.info(
+            "weights pushed to overwrite other attempts'" if ok else "overwrite push failed; will retry",
+            version=self.version,
+            reason=reason,
+        )
 
     def _should_save(self, done: int) -> bool:
         freq = self.cfg.trainer.save_freq
@@ -217,14 +246,26 @@ class Learner:
     async def checkpoint(self, done: int) -> Path:
         from rlbus.learner.checkpoint import checkpoint_root, prune_checkpoints, save_checkpoint, step_dir
 
-        extra = {"step": done, "policy_version": self.version, "loader": self.loader.state_dict(),
-                 "ledger": self.ledger.to_dict(), "attempt": self.attempt, "run_id": self.cfg.run.id}
+        extra = {
+            "step": done,
+            "policy_version": self.version,
+            "loader": self.loader.state_dict(),
+            "ledger": self.ledger.to_dict(),
+            "attempt": self.attempt,
+            "run_id": self.cfg.run.id,
+        }
         root = checkpoint_root(self.run_dir, self.cfg.trainer.default_local_dir)
         t0 = time.perf_counter()
-        self.trainer.par.lead_call("save_checkpoint", path=str(step_dir(root, done)))  # ranks > 0 save alongside
-        path = await asyncio.to_thread(save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer)
+        self.trainer.par.lead_call(
+            "save_checkpoint", path=str(step_dir(root, done))
+        )  # ranks > 0 save alongside
+        path = await asyncio.to_thread(
+            save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer
+        )
         await asyncio.to_thread(prune_checkpoints, root, self.cfg.trainer.max_ckpt_to_keep)
-        self.ctx.log.info("checkpoint saved", step=done, path=str(path), seconds=round(time.perf_counter() - t0, 2))
+        self.ctx.log.info(
+            "checkpoint saved", step=done, path=str(path), seconds=round(time.perf_counter() - t0, 2)
+        )
         return path
 
     def _named_weights(self):
@@ -247,8 +288,12 @@ class Learner:
         headers = msg.headers or {}
         pid = self.ledger.settle_dead_letter(headers.get(ORIGINAL_MSG_ID_HEADER, ""))
         if pid is not None:
-            self.ctx.log.warning("prompt dead-lettered; it will not be trained", prompt_id=pid,
-                                 stage=headers.get(STAGE_HEADER), reason=headers.get(REASON_HEADER))
+            self.ctx.log.warning(
+                "prompt dead-lettered; it will not be trained",
+                prompt_id=pid,
+                stage=headers.get(STAGE_HEADER),
+                reason=headers.get(REASON_HEADER),
+            )
 
     async def start_validation(self, step: int) -> None:
         if self.val_records:
@@ -262,9 +307,13 @@ class Learner:
         versions = [v for _, _, v in self.val_results]
         # Validation work asks for the learner's version at dispatch and the step waits for it before the
         # next push, so every answer comes from exactly those weights; the record says which answered.
-        return {"val/accuracy": float(np.mean([c for _, c, _ in self.val_results])),
-                "val/reward_mean": float(np.mean(rewards)), "val/version": float(min(versions)),
-                "val/version_max": float(max(versions)), "val/prompts": float(len(versions))}
+        return {
+            "val/accuracy": float(np.mean([c for _, c, _ in self.val_results])),
+            "val/reward_mean": float(np.mean(rewards)),
+            "val/version": float(min(versions)),
+            "val/version_max": float(max(versions)),
+            "val/prompts": float(len(versions)),
+        }
 
     async def _consider(self, d, batch: list, need: int) -> None:
         """Routes one ready group: validation result, batch member, overflow, or settled as dropped."""
@@ -273,15 +322,22 @@ class Learner:
         pid = work.prompt_id
         if work.split == "val":
             if self.val_pending.pop(pid, None) is not None:
-                self.val_results.append((group.scored.rewards[0], group.scored.correct[0],
-                                         group.scored.trajectories.policy_version))
+                self.val_results.append(
+                    (
+                        group.scored.rewards[0],
+                        group.scored.correct[0],
+                        group.scored.trajectories.policy_version,
+                    )
+                )
             await d.ack()
             return
         lag = self.version - group.scored.trajectories.policy_version
         if pid not in self.ledger.dispatched or self.ledger.dropped.get(pid) == "resumed":
             self.ledger.leftovers += 1  # work of an earlier learner attempt: superseded, never trained
             await d.ack()
-        elif self.ledger.is_settled(pid) or any(pid == b.message.scored.trajectories.work.prompt_id for b in batch):
+        elif self.ledger.is_settled(pid) or any(
+            pid == b.message.scored.trajectories.work.prompt_id for b in batch
+        ):
             self.ledger.duplicates += 1  # a redelivery raced its ack
             await d.ack()
         elif lag < 0:  # made with weights of a crashed attempt newer than the checkpoint
@@ -314,8 +370,9 @@ class Learner:
             held, self.overflow = self.overflow, []
             for d in held:
                 await self._consider(d, batch, need)
-            deliveries = await self.consumer.fetch(batch=max(1, need - len(batch) + len(self.val_pending)),
-                                                   timeout=1.0)
+            deliveries = await self.consumer.fetch(
+                batch=max(1, need - len(batch) + len(self.val_pending)), timeout=1.0
+            )
             now = time.monotonic()
             for d in deliveries:
                 await self._consider(d, batch, need)
@@ -331,15 +388,25 @@ class Learner:
                 last_keepalive = now
             if now - last_log > WAIT_LOG_EVERY_S:
                 replicas = await self.pusher.live_replicas()
-                self.ctx.log.info("waiting for ready trajectories", step=step, have=len(batch), need=need,
-                                  in_flight=self.ledger.in_flight, replicas=sorted(replicas),
-                                  validation_pending=len(self.val_pending),
-                                  waited_s=round(now - started), weight_push=self.pusher.status or "ok")
+                self.ctx.log.info(
+                    "waiting for ready trajectories",
+                    step=step,
+                    have=len(batch),
+                    need=need,
+                    in_flight=self.ledger.in_flight,
+                    replicas=sorted(replicas),
+                    validation_pending=len(self.val_pending),
+                    waited_s=round(now - started),
+                    weight_push=self.pusher.status or "ok",
+                )
                 self._notice_wait(step, len(batch), need)
                 last_log = now
             if now - last_progress > cfg.trainer.batch_timeout_s:
-                why = (f"replicas may be waiting for weights: {self.pusher.status}" if self.pusher.status
-                       else "are the rollout and reward services running? see `rlbus status`")
+                why = (
+                    f"replicas may be waiting for weights: {self.pusher.status}"
+                    if self.pusher.status
+                    else "are the rollout and reward services running? see `rlbus status`"
+                )
                 raise LearnerStalled(
                     f"no ready trajectories for {cfg.trainer.batch_timeout_s:.0f}s at step {step} "
                     f"(have {len(batch)}/{need}, {self.ledger.in_flight} prompts in flight); {why}"
@@ -356,7 +423,9 @@ class Learner:
                 self._refused_said.add(rid)
                 post_notice(self.run_dir, "learner", f"replica {rid} refused: {why}")
         if self.pusher.status:
-            post_notice(self.run_dir, "learner", f"step {step} waits ({have}/{need} groups): {self.pusher.status}")
+            post_notice(
+                self.run_dir, "learner", f"step {step} waits ({have}/{need} groups): {self.pusher.status}"
+            )
 
     def _dump(self, step: int, groups: list[ReadyGroup], metrics: dict[str, float]) -> None:
         """Test hook (trainer.dump_first_batch): step 0's batch, the weights after it, step 1's batch."""
@@ -366,7 +435,9 @@ class Learner:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"groups_step{step}.msgpack").write_bytes(write_frames([encode(g) for g in groups]))
         if step == 0:
-            state = {k: v.detach().cpu().contiguous().clone() for k, v in self.trainer.model.state_dict().items()}
+            state = {
+                k: v.detach().cpu().contiguous().clone() for k, v in self.trainer.model.state_dict().items()
+            }
             save_file(state, str(out / "weights.safetensors"))
             (out / "metrics.json").write_text(json.dumps(metrics))
 
@@ -380,11 +451,14 @@ class Learner:
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             validate = (step == 0 and cfg.trainer.val_before_train) or (
-                cfg.trainer.test_freq > 0 and step > 0 and step % cfg.trainer.test_freq == 0)
+                cfg.trainer.test_freq > 0 and step > 0 and step % cfg.trainer.test_freq == 0
+            )
             if validate:
                 await self.start_validation(step)
             # in data order, so a batch trains the same whatever order its groups arrived in
-            deliveries = sorted(await self.gather(step), key=lambda d: d.message.scored.trajectories.work.index)
+            deliveries = sorted(
+                await self.gather(step), key=lambda d: d.message.scored.trajectories.work.index
+            )
             t_gathered = time.perf_counter()
             groups = [d.message for d in deliveries]
             batch = collate(groups, pad_id)
@@ -404,21 +478,26 @@ class Learner:
             t_pushed = time.perf_counter()
             tokens = int(batch.response_mask.sum())
             tokens_total += tokens
-            metrics.update({
-                "timing/wait_batch_s": t_gathered - t_step, "timing/train_s": t_trained - t_gathered,
-                "timing/weight_push_s": t_pushed - t_trained, "timing/step_s": t_pushed - t_step,
-                "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
-                "perf/step_tokens": float(tokens), "policy/version": float(self.version),
-                "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
-                "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
-                "bus/dead_letters": float(getattr(self.consumer, "dead_letters", 0)),
-                "weights/push_failures": float(self.pusher.failures),
-                "weights/handoff_s": float(self.pusher.last_seconds),
-                "prompts/dispatched": float(len(self.ledger.dispatched)),
-                "prompts/trained": float(len(self.ledger.trained)),
-                "prompts/leftovers": float(self.ledger.leftovers),
-                "prompts/dead_lettered": float(self.ledger.dropped_count(DEAD_LETTERED)),
-            })
+            metrics.update(
+                {
+                    "timing/wait_batch_s": t_gathered - t_step,
+                    "timing/train_s": t_trained - t_gathered,
+                    "timing/weight_push_s": t_pushed - t_trained,
+                    "timing/step_s": t_pushed - t_step,
+                    "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
+                    "perf/step_tokens": float(tokens),
+                    "policy/version": float(self.version),
+                    "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
+                    "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
+                    "bus/dead_letters": float(getattr(self.consumer, "dead_letters", 0)),
+                    "weights/push_failures": float(self.pusher.failures),
+                    "weights/handoff_s": float(self.pusher.last_seconds),
+                    "prompts/dispatched": float(len(self.ledger.dispatched)),
+                    "prompts/trained": float(len(self.ledger.trained)),
+                    "prompts/leftovers": float(self.ledger.leftovers),
+                    "prompts/dead_lettered": float(self.ledger.dropped_count(DEAD_LETTERED)),
+                }
+            )
             self.writer.log(step + 1, metrics)
             self.ledger.save(ledger_path)
             if self._should_save(step + 1):
@@ -430,7 +509,9 @@ class Learner:
         if cfg.trainer.test_freq > 0 and self.val_records:
             await self.start_validation(self.total_steps)
             await self.gather(self.total_steps, need=0)
-            self.writer.log(self.total_steps, {"policy/version": float(self.version), **self.validation_metrics()})
+            self.writer.log(
+                self.total_steps, {"policy/version": float(self.version), **self.validation_metrics()}
+            )
         await self.drain()
         self.ledger.save(ledger_path)
         self.writer.close()
@@ -457,8 +538,13 @@ class Learner:
         for pid in self.ledger.dispatched:
             if not self.ledger.is_settled(pid):
                 self.ledger.dropped[pid] = "run_finished_in_flight"
-        self.ctx.log.info("run finished", trained=len(self.ledger.trained), dropped=len(self.ledger.dropped),
-                          dispatched=len(self.ledger.dispatched), duplicates=self.ledger.duplicates)
+        self.ctx.log.info(
+            "run finished",
+            trained=len(self.ledger.trained),
+            dropped=len(self.ledger.dropped),
+            dispatched=len(self.ledger.dispatched),
+            duplicates=self.ledger.duplicates,
+        )
 
 
 async def learner_loop(ctx: ServiceContext) -> int:

@@ -56,8 +56,9 @@ class PolicyTrainer:
         self.optimizer = build_optimizer(self.model, optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_lambda(s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler,
-                                optim.min_lr_ratio),
+            lambda s: lr_lambda(
+                s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler, optim.min_lr_ratio
+            ),
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -70,17 +71,29 @@ class PolicyTrainer:
         """What the weight push sends: full tensors one at a time, state-dict order, in `model.dtype`
         (LoRA: merged, under the base model's names). Under FSDP every rank gathers alongside."""
         return self.par.lead_gather(
-            lambda: parallel.full_state_items(self.model, torch_dtype(self.cfg.model.dtype)))
+            lambda: parallel.full_state_items(self.model, torch_dtype(self.cfg.model.dtype))
+        )
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return parallel.forward_logprobs(self.model, mb, self.device, self.cfg.model.use_remove_padding, entropy,
-                                         self.cfg.model.logprob_chunk)
+        return parallel.forward_logprobs(
+            self.model,
+            mb,
+            self.device,
+            self.cfg.model.use_remove_padding,
+            entropy,
+            self.cfg.model.logprob_chunk,
+        )
 
     def _micro_batches(self, batch: TrainBatch) -> list[parallel.MicroBatch]:
         """This rank's micro-batches (its share under data parallelism; token-bounded when packing)."""
         actor = self.cfg.actor
-        return parallel.plan_micro_batches(batch, self.par, actor.ppo_micro_batch_size,
-                                           self.cfg.model.use_remove_padding, actor.ppo_max_token_len_per_gpu)
+        return parallel.plan_micro_batches(
+            batch,
+            self.par,
+            actor.ppo_micro_batch_size,
+            self.cfg.model.use_remove_padding,
+            actor.ppo_max_token_len_per_gpu,
+        )
 
     @torch.no_grad()
     def _logprobs_no_grad(self, batch: TrainBatch, micro: int) -> torch.Tensor:
@@ -122,8 +135,14 @@ class PolicyTrainer:
         estimator = "dr_grpo" if algo.adv_estimator == "dr_grpo" else algo.adv_estimator
         values = self.critic.values(batch) if self.critic is not None else None  # critic hook: old values
         advantages, returns = compute_advantages(
-            estimator, response_mask=mask, rewards=None if token_rewards is not None else rewards,
-            group_ids=batch.group_ids, token_rewards=token_rewards, values=values, gamma=algo.gamma, lam=algo.lam,
+            estimator,
+            response_mask=mask,
+            rewards=None if token_rewards is not None else rewards,
+            group_ids=batch.group_ids,
+            token_rewards=token_rewards,
+            values=values,
+            gamma=algo.gamma,
+            lam=algo.lam,
             norm_by_std=algo.norm_adv_by_std_in_grpo,
         )
 
@@ -140,7 +159,9 @@ class PolicyTrainer:
                 mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
                 # global counts / world size: FSDP averages the ranks' gradients (see parallel.py)
                 agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
-                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(min=1.0) / self.par.world_size
+                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(
+                    min=1.0
+                ) / self.par.world_size
                 self.optimizer.zero_grad(set_to_none=True)
                 for idx, mb in self._micro_batches(mini):
                     m = mb.response_mask.to(self.device)
@@ -149,15 +170,30 @@ class PolicyTrainer:
                     behaviour = mb.behaviour_logprobs.to(self.device)
                     is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
                     adv = mini_adv[idx].to(self.device)
-                    pg_loss, stats = actor_policy_loss(actor.policy_loss, logprobs, old, adv, m, clip_low, clip_high,
-                                                       actor.clip_ratio_c, actor.loss_agg_mode, is_w, **agg)
+                    pg_loss, stats = actor_policy_loss(
+                        actor.policy_loss,
+                        logprobs,
+                        old,
+                        adv,
+                        m,
+                        clip_low,
+                        clip_high,
+                        actor.clip_ratio_c,
+                        actor.loss_agg_mode,
+                        is_w,
+                        **agg,
+                    )
                     loss = pg_loss
                     if actor.entropy_coeff:
-                        loss = loss - actor.entropy_coeff * aggregate_loss(entropy, m, actor.loss_agg_mode, **agg)
+                        loss = loss - actor.entropy_coeff * aggregate_loss(
+                            entropy, m, actor.loss_agg_mode, **agg
+                        )
                     if mb.ref_logprobs is not None:
                         kl_tok = kl_estimate(logprobs, mb.ref_logprobs.to(self.device), actor.kl_loss_type)
                         if actor.use_kl_loss:
-                            loss = loss + actor.kl_loss_coef * aggregate_loss(kl_tok, m, actor.loss_agg_mode, **agg)
+                            loss = loss + actor.kl_loss_coef * aggregate_loss(
+                                kl_tok, m, actor.loss_agg_mode, **agg
+                            )
                         token_stats.add("actor/kl", kl_tok.detach(), m)
                     loss.backward()
                     _add(loss_sums, "actor/pg_loss", pg_loss.item())
@@ -182,7 +218,9 @@ class PolicyTrainer:
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
-        metrics["actor/advantage_abs_mean"] = float((advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0))
+        metrics["actor/advantage_abs_mean"] = float(
+            (advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0)
+        )
         metrics.update(shaping_metrics)
         if self.critic is not None:  # critic hook: value regression on the same mini-batches
             metrics.update(self.critic.update(batch, returns, values, minibatches))
@@ -198,10 +236,13 @@ def shaped_rewards(cfg: RlbusConfig, batch: TrainBatch) -> tuple[torch.Tensor, d
     from rlbus.learner.algorithms.dapo import overlong_penalty
 
     lengths = batch.response_mask.sum(-1)
-    penalty = overlong_penalty(lengths, cfg.data.max_response_length, algo.overlong_buffer_len,
-                               algo.overlong_penalty_factor)
-    return batch.rewards + penalty, {"dapo/overlong_penalty_mean": float(penalty.mean()),
-                                     "dapo/overlong_frac": float((penalty < 0).float().mean())}
+    penalty = overlong_penalty(
+        lengths, cfg.data.max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor
+    )
+    return batch.rewards + penalty, {
+        "dapo/overlong_penalty_mean": float(penalty.mean()),
+        "dapo/overlong_frac": float((penalty < 0).float().mean()),
+    }
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:

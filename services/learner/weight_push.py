@@ -126,8 +126,10 @@ class WeightPusher:
             if hb.status != "ready" or not self._cleared(hb.instance_id, hb.time):
                 continue
             live[hb.instance_id] = LiveReplica(
-                int(hb.stats.get("weight_ranks", 1) or 1), DevicePlace.parse(hb.device),
-                bool(hb.stats.get("ipc_capable", 0.0)), hb.incarnation,
+                int(hb.stats.get("weight_ranks", 1) or 1),
+                DevicePlace.parse(hb.device),
+                bool(hb.stats.get("ipc_capable", 0.0)),
+                hb.incarnation,
             )
         return live
 
@@ -138,7 +140,9 @@ class WeightPusher:
             return True
         if beat_time > failed_at:
             del self.suspects[replica_id]
-            self.ctx.log.info("replica heartbeat after the failed push; it may join again", replica=replica_id)
+            self.ctx.log.info(
+                "replica heartbeat after the failed push; it may join again", replica=replica_id
+            )
             return True
         return False
 
@@ -188,8 +192,10 @@ class WeightPusher:
             self.transports = None
             return self._failed(version, f"preparing the push: {exc}", "group")
         incarnations = {rid: live[rid].incarnation for rid in transports}
-        reform = self.transports != transports or self.incarnations != incarnations or (
-            bool(group_ids) and (self.sender is None or not self.sender.is_open)
+        reform = (
+            self.transports != transports
+            or self.incarnations != incarnations
+            or (bool(group_ids) and (self.sender is None or not self.sender.is_open))
         )
         new_group = bool(group_ids) and reform
         if reform:

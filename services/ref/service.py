@@ -36,8 +36,9 @@ class ReferenceModel:
                 responses.append(list(s.response_ids))
             temps.append(work.sampling.temperature)
         # one temperature per call: groups of a run share their sampling temperature
-        lps = response_logprobs(self.model, prompts, responses, self.pad_id, temps[0] if temps else 1.0,
-                                self.micro_batch_size)
+        lps = response_logprobs(
+            self.model, prompts, responses, self.pad_id, temps[0] if temps else 1.0, self.micro_batch_size
+        )
         out, i = [], 0
         for g in groups:
             n = len(g.trajectories.samples)
@@ -50,8 +51,13 @@ async def ref_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
 
     ref = await asyncio.to_thread(ReferenceModel, ctx.cfg)
-    consumer = await ctx.bus.consumer(Stage.SCORED, durable="ref", expected=ScoredGroup,
-                                      ack_wait_s=ctx.cfg.bus.ack_wait_s, max_deliver=ctx.cfg.bus.max_deliver)
+    consumer = await ctx.bus.consumer(
+        Stage.SCORED,
+        durable="ref",
+        expected=ScoredGroup,
+        ack_wait_s=ctx.cfg.bus.ack_wait_s,
+        max_deliver=ctx.cfg.bus.max_deliver,
+    )
     ctx.status = "ready"
     ctx.stats.update(groups=0)
     while not ctx.stop.is_set():

@@ -21,7 +21,9 @@ def resolve_callable(spec: str) -> Any:
     `custom_reward_function.path`)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"reward function {spec!r} must look like 'pkg.module:function' or 'file.py:function'")
+        raise ValueError(
+            f"reward function {spec!r} must look like 'pkg.module:function' or 'file.py:function'"
+        )
     try:
         if target.endswith(".py") or "/" in target:
             path = Path(target).expanduser()
@@ -74,7 +76,9 @@ class Sandbox:
     def _ensure(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
-                max_workers=1, mp_context=mp.get_context("spawn"), initializer=_limit_memory,
+                max_workers=1,
+                mp_context=mp.get_context("spawn"),
+                initializer=_limit_memory,
                 initargs=(self.memory_mb,),
             )
         return self._pool

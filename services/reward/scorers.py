@@ -64,8 +64,9 @@ class FunctionScorer:
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
         if self.verl:
             ground_truth = meta.get("ground_truth", meta.get("answer"))
-            return _as_reward(self._sandbox.call(meta.get("data_source"), response, ground_truth,
-                                                 meta.get("extra_info")))
+            return _as_reward(
+                self._sandbox.call(meta.get("data_source"), response, ground_truth, meta.get("extra_info"))
+            )
         return _as_reward(self._sandbox.call(prompt, response, meta))
 
     def close(self) -> None:

@@ -24,8 +24,9 @@ def score_group(scorer, group: TrajectoryGroup, on_error: float) -> ScoredGroup:
             rewards.append(on_error)
             correct.append(False)
             errors.append(f"{type(exc).__name__}: {exc}"[:500])
-    return ScoredGroup(trajectories=group, rewards=rewards, correct=correct, reward_errors=errors,
-                       reward_impl=scorer.name)
+    return ScoredGroup(
+        trajectories=group, rewards=rewards, correct=correct, reward_errors=errors, reward_impl=scorer.name
+    )
 
 
 async def reward_loop(ctx: ServiceContext) -> int:
@@ -42,8 +43,13 @@ async def reward_loop(ctx: ServiceContext) -> int:
         post_notice(ctx.run_dir, "reward", f"refused: {exc}")
         return EXIT_REFUSED
     out_stage = Stage.SCORED if cfg.needs_ref else Stage.READY
-    consumer = await ctx.bus.consumer(Stage.TRAJECTORIES, durable="reward", expected=TrajectoryGroup,
-                                      ack_wait_s=cfg.bus.ack_wait_s, max_deliver=cfg.bus.max_deliver)
+    consumer = await ctx.bus.consumer(
+        Stage.TRAJECTORIES,
+        durable="reward",
+        expected=TrajectoryGroup,
+        ack_wait_s=cfg.bus.ack_wait_s,
+        max_deliver=cfg.bus.max_deliver,
+    )
     ctx.status = "ready"
     ctx.stats.update(groups=0, samples=0, errors=0)
     while not ctx.stop.is_set():
@@ -53,8 +59,12 @@ async def reward_loop(ctx: ServiceContext) -> int:
             scored = await asyncio.to_thread(score_group, scorer, d.message, cfg.reward.on_error_score)
             n_err = sum(e is not None for e in scored.reward_errors)
             if n_err:
-                ctx.log.warning("reward function raised", errors=n_err, first=next(e for e in scored.reward_errors if e),
-                                prompt_id=scored.trajectories.work.prompt_id)
+                ctx.log.warning(
+                    "reward function raised",
+                    errors=n_err,
+                    first=next(e for e in scored.reward_errors if e),
+                    prompt_id=scored.trajectories.work.prompt_id,
+                )
             scored.trajectories.timings["reward_s"] = time.perf_counter() - t0
             out = scored if out_stage == Stage.SCORED else ReadyGroup(scored=scored)
             await ctx.bus.publish(out_stage, out, msg_id=f"{scored.trajectories.work.prompt_id}:scored")

@@ -42,7 +42,9 @@ class Replica:
             self.ctx.log.info("waiting for weights", have=self.version, need=needed)
             async with self.version_changed:
                 try:
-                    await asyncio.wait_for(self.version_changed.wait(), timeout=min(left, IN_PROGRESS_EVERY_S))
+                    await asyncio.wait_for(
+                        self.version_changed.wait(), timeout=min(left, IN_PROGRESS_EVERY_S)
+                    )
                 except TimeoutError:
                     pass
             for d in deliveries:
@@ -64,7 +66,9 @@ class Replica:
             key = (ann.epoch, ann.version)
             if key == self.last_announcement:
                 continue
-            if await self._superseded(key):  # a newer push is out: joining this one would wait on a dead group
+            if await self._superseded(
+                key
+            ):  # a newer push is out: joining this one would wait on a dead group
                 continue
             if replica_id in ann.ipc_replicas:
                 self.last_announcement = key
@@ -84,15 +88,23 @@ class Replica:
                     await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
                 else:
                     async with self.lock:
-                        await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
+                        await asyncio.to_thread(
+                            self.engine.receive_weights, ann, ann.ranks[replica_id], timeout
+                        )
             except Exception as exc:  # the learner notices too, and re-forms the group
-                self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc))
+                self.ctx.log.error(
+                    "weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc)
+                )
                 continue
             self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
             self.joined_epoch = ann.epoch
             await self._set_version(ann.version)
-            self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch,
-                              seconds=round(self.ctx.stats["weight_recv_s"], 3))
+            self.ctx.log.info(
+                "weights updated",
+                version=ann.version,
+                epoch=ann.epoch,
+                seconds=round(self.ctx.stats["weight_recv_s"], 3),
+            )
 
     async def _superseded(self, key: tuple[int, int]) -> bool:
         """Whether the current announcement is newer than `key` (this one waited behind a long receive, or
@@ -106,7 +118,9 @@ class Replica:
         return latest is not None and (latest.epoch, latest.version) != key
 
     async def _ack(self, ann: WeightAnnouncement, ok: bool, detail: str = "") -> None:
-        ack = WeightAck(replica_id=self.ctx.instance_id, version=ann.version, epoch=ann.epoch, ok=ok, detail=detail)
+        ack = WeightAck(
+            replica_id=self.ctx.instance_id, version=ann.version, epoch=ann.epoch, ok=ok, detail=detail
+        )
         try:
             await self.ctx.bus.nc.publish(self.ctx.bus.names.weight_ack, encode(ack))
         except Exception as exc:  # the learner times this push out and retries
@@ -119,8 +133,13 @@ class Replica:
         try:
             received = await asyncio.to_thread(self.engine.take_ipc_weights, ann)
         except Exception as exc:  # noqa: BLE001 - a bad read is reported, never loaded
-            self.ctx.log.error("weight receive failed", version=ann.version, epoch=ann.epoch, transport="cuda_ipc",
-                               error=str(exc))
+            self.ctx.log.error(
+                "weight receive failed",
+                version=ann.version,
+                epoch=ann.epoch,
+                transport="cuda_ipc",
+                error=str(exc),
+            )
             await self._ack(ann, False, str(exc))
             return
         await self._ack(ann, True)
@@ -129,8 +148,13 @@ class Replica:
         del received
         self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
         await self._set_version(ann.version)
-        self.ctx.log.info("weights updated", version=ann.version, epoch=ann.epoch, transport="cuda_ipc",
-                          seconds=round(self.ctx.stats["weight_recv_s"], 4))
+        self.ctx.log.info(
+            "weights updated",
+            version=ann.version,
+            epoch=ann.epoch,
+            transport="cuda_ipc",
+            seconds=round(self.ctx.stats["weight_recv_s"], 4),
+        )
 
     async def generate_each(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup | Exception], int]:
         """`generate`, but an engine error costs only the item that caused it: on a failed batch each item
@@ -156,7 +180,9 @@ class Replica:
     async def generate(self, works: list[PromptWork]) -> tuple[list[TrajectoryGroup], int]:
         from rlbus.rollout.engines.base import GenerationRequest
 
-        requests = [GenerationRequest(prompt_ids=list(w.prompt_ids), n=w.n, sampling=w.sampling) for w in works]
+        requests = [
+            GenerationRequest(prompt_ids=list(w.prompt_ids), n=w.n, sampling=w.sampling) for w in works
+        ]
         async with self.lock:
             version = self.version
             t0 = time.perf_counter()
@@ -164,13 +190,26 @@ class Replica:
             elapsed = time.perf_counter() - t0
         groups, tokens = [], 0
         for work, completions in zip(works, results, strict=True):
-            samples = [Sample(response_ids=c.response_ids, logprobs=c.logprobs, text=c.text,
-                              finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "stop")
-                       for c in completions]
+            samples = [
+                Sample(
+                    response_ids=c.response_ids,
+                    logprobs=c.logprobs,
+                    text=c.text,
+                    finish_reason=c.finish_reason if c.finish_reason in ("stop", "length") else "stop",
+                )
+                for c in completions
+            ]
             tokens += sum(len(s.response_ids) for s in samples)
-            groups.append(TrajectoryGroup(work=work, samples=samples, policy_version=version,
-                                          replica_id=self.ctx.instance_id, engine=self.engine.name,
-                                          timings={"generate_s": elapsed / len(works), "generated_at": time.time()}))
+            groups.append(
+                TrajectoryGroup(
+                    work=work,
+                    samples=samples,
+                    policy_version=version,
+                    replica_id=self.ctx.instance_id,
+                    engine=self.engine.name,
+                    timings={"generate_s": elapsed / len(works), "generated_at": time.time()},
+                )
+            )
         self.ctx.stats["tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
         return groups, tokens
 
@@ -202,12 +241,18 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     engine = await asyncio.to_thread(build_engine, cfg, model_path)
     limits = await asyncio.to_thread(limits_for, cfg, model_path)
     replica = Replica(ctx, engine)
-    ctx.stats.update(weight_ranks=float(engine.weight_ranks), groups=0, tokens=0,
-                     ipc_capable=float(engine.supports_ipc))
+    ctx.stats.update(
+        weight_ranks=float(engine.weight_ranks), groups=0, tokens=0, ipc_capable=float(engine.supports_ipc)
+    )
     ctx.device = str(device_place(engine.weight_device))
     weights = asyncio.create_task(replica.weight_loop())
-    consumer = await ctx.bus.consumer(Stage.PROMPTS, durable="rollout", expected=PromptWork,
-                                      ack_wait_s=cfg.bus.ack_wait_s, max_deliver=cfg.bus.max_deliver)
+    consumer = await ctx.bus.consumer(
+        Stage.PROMPTS,
+        durable="rollout",
+        expected=PromptWork,
+        ack_wait_s=cfg.bus.ack_wait_s,
+        max_deliver=cfg.bus.max_deliver,
+    )
     ctx.status = "ready"
     ctx.log.info("rollout ready", engine=engine.name)
     try:
@@ -222,7 +267,9 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 continue
             needed = max(d.message.min_policy_version for d in deliveries)
             if not await replica.wait_for_version(needed, cfg.rollout.weight_wait_timeout_s, deliveries):
-                ctx.log.warning("weights too old for this work; handing it back", have=replica.version, need=needed)
+                ctx.log.warning(
+                    "weights too old for this work; handing it back", have=replica.version, need=needed
+                )
                 for d in deliveries:
                     await d.nak(delay=1.0)
                 continue

@@ -66,7 +66,9 @@ class RunState:
 
     async def set_policy_version(self, version: int) -> int:
         """Record the learner's current policy version (retried through a reconnect); returns the KV revision."""
-        return await _retry("kv put policy version", lambda: self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version))))
+        return await _retry(
+            "kv put policy version", lambda: self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version)))
+        )
 
     async def get_policy_version(self, default: int = 0) -> int:
         raw = await self._get(POLICY_VERSION_KEY)

@@ -213,9 +213,14 @@ class Delivery:
             if fate == "pending":
                 ignored += 1  # the server answers, still holds the delivery, and did not answer our ack
             if fate == "forgotten" or ignored >= ACK_IGNORED_TRIES or time.monotonic() + delay >= deadline:
-                log.warning("bus.ack_unconfirmed", stage=self._consumer.stage.value, seq=self.stream_seq,
-                            error=error, fate=fate or "server away",
-                            note="the item will be redelivered and deduplicated downstream")
+                log.warning(
+                    "bus.ack_unconfirmed",
+                    stage=self._consumer.stage.value,
+                    seq=self.stream_seq,
+                    error=error,
+                    fate=fate or "server away",
+                    note="the item will be redelivered and deduplicated downstream",
+                )
                 return False
             log.warning("bus.retry", what="ack", error=error, retry_in_s=round(delay, 2))
             await asyncio.sleep(delay)

@@ -84,7 +84,9 @@ VERL_INERT: dict[str, str] = {
     "reward_model.": "reward models are not a reward implementation here yet: use reward.type=function or http",
 }
 
-_yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rlbus_yaml_layer", default=None)
+_yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "rlbus_yaml_layer", default=None
+)
 
 
 class ConfigError(ValueError):
@@ -105,7 +107,9 @@ def canonical_key(key: str) -> str:
     """Maps a verl-style dotted key onto ours (e.g. actor_rollout_ref.model.path -> model.path)."""
     for prefix in sorted(VERL_PREFIXES, key=len, reverse=True):
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
-            key = VERL_PREFIXES[prefix] + key[len(prefix) :] if prefix.endswith(".") else VERL_PREFIXES[prefix]
+            key = (
+                VERL_PREFIXES[prefix] + key[len(prefix) :] if prefix.endswith(".") else VERL_PREFIXES[prefix]
+            )
             break
     return VERL_ALIASES.get(key, key)
 
@@ -196,8 +200,10 @@ def describe(error: ValidationError) -> str:
         key = ".".join(str(p) for p in loc) or "<root>"
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc[:-1])
-            lines.append(f"{key}: unknown key (allowed in '{'.'.join(map(str, loc[:-1])) or 'top level'}': "
-                         f"{', '.join(allowed)})")
+            lines.append(
+                f"{key}: unknown key (allowed in '{'.'.join(map(str, loc[:-1])) or 'top level'}': "
+                f"{', '.join(allowed)})"
+            )
         else:
             lines.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
@@ -238,6 +244,12 @@ def save_config(config: RlbusConfig, path: Path) -> Path:
 
 
 __all__ = [
-    "BaseSettings", "ConfigError", "RlbusConfig", "canonical_key", "dump_config", "load_config",
-    "parse_overrides", "save_config",
+    "BaseSettings",
+    "ConfigError",
+    "RlbusConfig",
+    "canonical_key",
+    "dump_config",
+    "load_config",
+    "parse_overrides",
+    "save_config",
 ]

@@ -17,20 +17,33 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    id: str = Field("demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket")
-    dir: Path = Field(Path("runs"), description="parent folder of run directories (logs, metrics, checkpoints)")
+    id: str = Field(
+        "demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket"
+    )
+    dir: Path = Field(
+        Path("runs"), description="parent folder of run directories (logs, metrics, checkpoints)"
+    )
     health_port: int = Field(0, ge=0, description="HTTP port for /healthz, /readyz, /metrics; 0 = off")
-    max_restarts: int = Field(5, ge=0, description="`rlbus up` restarts a service that dies this many times "
-                              "(the learner resumes from its last checkpoint), then stops the run")
-    restart_backoff_s: float = Field(1.0, ge=0.0, description="wait before a restart; doubles per restart, "
-                                     "at most 30 s")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        description="`rlbus up` restarts a service that dies this many times "
+        "(the learner resumes from its last checkpoint), then stops the run",
+    )
+    restart_backoff_s: float = Field(
+        1.0, ge=0.0, description="wait before a restart; doubles per restart, at most 30 s"
+    )
 
 
 class DataConfig(Section):
     task: Literal["addition", "countdown", "jsonl"] = Field(
-        "addition", description="a synthetic task, or jsonl = the rows of train_files/val_files (JSONL or parquet, "
-        "verl's schema included); jsonl is implied when train_files is given")
-    train_files: list[Path] = Field(default_factory=list, description="JSONL/parquet files: one path or a list")
+        "addition",
+        description="a synthetic task, or jsonl = the rows of train_files/val_files (JSONL or parquet, "
+        "verl's schema included); jsonl is implied when train_files is given",
+    )
+    train_files: list[Path] = Field(
+        default_factory=list, description="JSONL/parquet files: one path or a list"
+    )
     val_files: list[Path] = Field(default_factory=list, description="held-out files: one path or a list")
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -44,9 +57,13 @@ class DataConfig(Section):
     seed: int = 0
     task_digits: int = Field(2, ge=1, le=6, description="operand digits of the synthetic tasks")
     truncation: Literal["error", "left", "right", "middle"] = Field(
-        "error", description="a prompt over max_prompt_length: refuse the run at start (verl's default), or keep "
-        "its end (left), its start (right), or both ends (middle)")
-    filter_overlong_prompts: bool = Field(False, description="drop rows whose prompt is over max_prompt_length")
+        "error",
+        description="a prompt over max_prompt_length: refuse the run at start (verl's default), or keep "
+        "its end (left), its start (right), or both ends (middle)",
+    )
+    filter_overlong_prompts: bool = Field(
+        False, description="drop rows whose prompt is over max_prompt_length"
+    )
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -76,11 +93,16 @@ class ModelConfig(Section):
     target_modules: list[str] | str = "all-linear"
     trust_remote_code: bool = False
     use_fused_kernels: bool = Field(
-        True, description="log-probs and entropies from chunks of the output projection (never full-vocabulary "
-        "fp32 logits); false = the plain full-logits path")
+        True,
+        description="log-probs and entropies from chunks of the output projection (never full-vocabulary "
+        "fp32 logits); false = the plain full-logits path",
+    )
     logprob_chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the fused log-prob path")
-    use_liger: bool = Field(False, description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the learner "
-                            "(CUDA; needs liger-kernel)")
+    use_liger: bool = Field(
+        False,
+        description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the learner "
+        "(CUDA; needs liger-kernel)",
+    )
 
     @property
     def logprob_chunk(self) -> int:
@@ -95,35 +117,51 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = Field(False, description="generate max_response_length tokens past end tokens (benchmarks)")
+    ignore_eos: bool = Field(
+        False, description="generate max_response_length tokens past end tokens (benchmarks)"
+    )
     prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
     replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
     seed: int = 0
     seed_per_prompt: bool = Field(
-        False, description="seed each prompt's sampling from (seed, data index): the same samples whoever "
-        "generates it and whenever (reproducible runs and resumes); slower, seeded requests run alone")
+        False,
+        description="seed each prompt's sampling from (seed, data index): the same samples whoever "
+        "generates it and whenever (reproducible runs and resumes); slower, seeded requests run alone",
+    )
     tensor_model_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(
-        0.5, gt=0.0, le=1.0, description="share of the GPU this replica may take (vllm/sglang: their KV sizing; "
-        "hf: a cap on the process's allocations), leaving the rest to a learner on the same GPU")
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="share of the GPU this replica may take (vllm/sglang: their KV sizing; "
+        "hf: a cap on the process's allocations), leaving the rest to a learner on the same GPU",
+    )
     max_num_seqs: int = Field(256, ge=1)
     enforce_eager: bool | None = Field(
-        None, description="no compiled/CUDA-graph decode; None = the engine's choice (eager on CPU, compiled "
-        "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache)")
+        None,
+        description="no compiled/CUDA-graph decode; None = the engine's choice (eager on CPU, compiled "
+        "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache)",
+    )
     enable_prefix_caching: bool = True
     sglang_url: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    weight_wait_timeout_s: float = Field(120.0, gt=0, description="how long work waits for its min policy version")
+    weight_wait_timeout_s: float = Field(
+        120.0, gt=0, description="how long work waits for its min policy version"
+    )
 
 
 class RewardConfig(Section):
     type: Literal["task", "function", "http"] = Field(
-        "task", description="task = the built-in verifier of each row's data_source / task")
+        "task", description="task = the built-in verifier of each row's data_source / task"
+    )
     function: str | None = Field(
-        None, description="'pkg.module:callable' or '/path/file.py:callable' when type=function")
+        None, description="'pkg.module:callable' or '/path/file.py:callable' when type=function"
+    )
     signature: Literal["auto", "rlbus", "verl"] = Field(
-        "auto", description="rlbus: fn(prompt, response, meta); verl: compute_score(data_source, solution_str, "
-        "ground_truth, extra_info); auto: verl when the first parameter is named data_source")
+        "auto",
+        description="rlbus: fn(prompt, response, meta); verl: compute_score(data_source, solution_str, "
+        "ground_truth, extra_info); auto: verl when the first parameter is named data_source",
+    )
     http_url: str | None = None
     on_error_score: float = 0.0
     timeout_s: float = Field(10.0, gt=0)
@@ -165,10 +203,13 @@ class AlgorithmConfig(Section):
     lam: float = Field(1.0, ge=0.0, le=1.0)
     use_kl_in_reward: bool = False
     kl_penalty: Literal["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl"] = Field(
-        "k1", description="KL estimator of use_kl_in_reward; verl's names (kl, abs, mse, low_var_kl) too")
+        "k1", description="KL estimator of use_kl_in_reward; verl's names (kl, abs, mse, low_var_kl) too"
+    )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal")
-    overlong_buffer_len: int = Field(0, ge=0, description="DAPO soft overlong punishment: last N tokens; 0 = off")
+    overlong_buffer_len: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment: last N tokens; 0 = off"
+    )
     overlong_penalty_factor: float = Field(1.0, ge=0.0, description="DAPO: penalty at max_response_length")
 
 
@@ -178,7 +219,9 @@ class OptimConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, description="Adam epsilon")
     lr_warmup_steps: int = Field(0, ge=-1, description="-1 = lr_warmup_steps_ratio of the total steps (verl)")
-    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0, description="warmup share when lr_warmup_steps=-1")
+    lr_warmup_steps_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="warmup share when lr_warmup_steps=-1"
+    )
     lr_scheduler: Literal["constant", "cosine"] = Field("constant", description="verl: warmup_style")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, gt=0.0)
@@ -190,28 +233,37 @@ class ActorConfig(Section):
     ppo_micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
     ppo_epochs: int = Field(1, ge=1)
     use_torch_compile: bool | None = Field(
-        None, description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA")
+        None,
+        description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA",
+    )
     master_weights: Literal["auto", "model", "optimizer"] = Field(
-        "auto", description="with model.dtype bf16/fp16: model = fp32 parameters computing in model.dtype "
+        "auto",
+        description="with model.dtype bf16/fp16: model = fp32 parameters computing in model.dtype "
         "(autocast on one GPU, FSDP2 mixed precision across ranks); optimizer = the model held in model.dtype, "
         "the fp32 master copy and moments in the optimizer state (one learner rank); auto = optimizer on one "
-        "rank, model under FSDP2")
+        "rank, model under FSDP2",
+    )
     clip_ratio: float = Field(0.2, gt=0.0)
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound")
     policy_loss: Literal["vanilla", "dual_clip", "gspo"] = Field(
-        "vanilla", description="vanilla = verl's: PPO clip with the dual clip (clip_ratio_c) on negative "
-        "advantages; dual_clip is the same; gspo = sequence-level ratio, seq-mean-token-mean aggregation")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
+        "vanilla",
+        description="vanilla = verl's: PPO clip with the dual clip (clip_ratio_c) on negative "
+        "advantages; dual_clip is the same; gspo = sequence-level ratio, seq-mean-token-mean aggregation",
     )
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
     kl_loss_type: Literal["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
-    use_dynamic_bsz: bool = Field(False, description="token-bounded micro-batches (ppo_max_token_len_per_gpu); "
-                                  "effective with model.use_remove_padding")
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="token-bounded micro-batches (ppo_max_token_len_per_gpu); "
+        "effective with model.use_remove_padding",
+    )
     tis_cap: float = Field(2.0, gt=0.0, description="truncated importance-sampling cap for stale samples")
     ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
     param_offload: bool = False
@@ -227,8 +279,12 @@ class CriticConfig(Section):
 
 class TrainerConfig(Section):
     total_epochs: int = Field(1, ge=1)
-    total_training_steps: int | None = Field(150, ge=1, description="stops earlier than total_epochs when set")
-    async_level: int = Field(1, ge=0, description="policy versions rollouts may lag behind; 0 = on-policy sync")
+    total_training_steps: int | None = Field(
+        150, ge=1, description="stops earlier than total_epochs when set"
+    )
+    async_level: int = Field(
+        1, ge=0, description="policy versions rollouts may lag behind; 0 = on-policy sync"
+    )
     save_freq: int = Field(-1, description="checkpoint every N steps; -1 = never")
     test_freq: int = Field(25, description="validate (greedy, held-out split) every N steps; -1 = never")
     val_before_train: bool = True
@@ -239,26 +295,37 @@ class TrainerConfig(Section):
     experiment_name: str = "demo"
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(0, ge=0, description="0 = CPU")
-    resume_mode: str = Field("auto", description="auto | disable | resume_path (with resume_from_path) | <path>")
-    resume_from_path: str | None = Field(None, description="the checkpoint to resume (verl); implies resume_path")
+    resume_mode: str = Field(
+        "auto", description="auto | disable | resume_path (with resume_from_path) | <path>"
+    )
+    resume_from_path: str | None = Field(
+        None, description="the checkpoint to resume (verl); implies resume_path"
+    )
     default_local_dir: Path | None = Field(
-        None, description="checkpoint folder; None = <run dir>/checkpoints (the run dir is per experiment)")
+        None, description="checkpoint folder; None = <run dir>/checkpoints (the run dir is per experiment)"
+    )
     critic_warmup: int = Field(0, ge=0, description="verl: steps that train only the critic; 0 only here")
     max_ckpt_to_keep: int = Field(3, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    batch_timeout_s: float = Field(300.0, gt=0, description="longest wait for ready trajectories before giving up")
+    batch_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for ready trajectories before giving up"
+    )
     weight_push_timeout_s: float = Field(60.0, gt=0)
     weight_bucket_mb: int = Field(64, ge=1)
     weight_sync_backend: Literal["auto", "cuda_ipc", "nccl", "gloo"] = Field(
-        "auto", description="weight push transport per replica; auto = CUDA IPC on the learner's own GPU, NCCL "
-        "to other GPUs, gloo (through host memory) for CPU or mixed placements")
+        "auto",
+        description="weight push transport per replica; auto = CUDA IPC on the learner's own GPU, NCCL "
+        "to other GPUs, gloo (through host memory) for CPU or mixed placements",
+    )
     weight_push_max_failures: int = Field(
-        5, ge=1, description="pushes failing in a row for the same reason before the run stops with it")
+        5, ge=1, description="pushes failing in a row for the same reason before the run stops with it"
+    )
     weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
-    dump_first_batch: bool = Field(False, description="write step 1's batch and update to the run dir (tests)")
-
+    dump_first_batch: bool = Field(
+        False, description="write step 1's batch and update to the run dir (tests)"
+    )
 
     @field_validator("logger", mode="before")
     @classmethod
@@ -275,11 +342,15 @@ class TrainerConfig(Section):
 
 
 class BusConfig(Section):
-    url: str | None = Field(None, description="nats:// URL; None = use 127.0.0.1:4222 if it answers, else start one")
+    url: str | None = Field(
+        None, description="nats:// URL; None = use 127.0.0.1:4222 if it answers, else start one"
+    )
     local_port: int = Field(0, ge=0, description="port for a server rlbus starts itself; 0 = pick a free one")
     ack_wait_s: float = Field(60.0, gt=0)
     max_deliver: int = Field(5, ge=1)
-    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="max_payload for a server rlbus starts")
+    max_payload_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="max_payload for a server rlbus starts"
+    )
     user: str | None = None
     password: str | None = None
     token: str | None = None
@@ -384,14 +455,22 @@ class RlbusConfig(BaseSettings):
         if crf.path is not None:
             spec = f"{crf.path}:{crf.name}"
             if self.reward.type == "http":
-                raise ValueError("custom_reward_function.path and reward.type=http both name the reward: keep one")
+                raise ValueError(
+                    "custom_reward_function.path and reward.type=http both name the reward: keep one"
+                )
             if self.reward.function not in (None, spec):
-                raise ValueError(f"custom_reward_function.path and reward.function={self.reward.function} both name "
-                                 "the reward function: keep one")
+                raise ValueError(
+                    f"custom_reward_function.path and reward.function={self.reward.function} both name "
+                    "the reward function: keep one"
+                )
             if self.reward.function != spec or self.reward.type != "function":
                 self.__dict__["reward"] = self.reward.model_copy(
-                    update={"type": "function", "function": spec,
-                            "signature": "verl" if self.reward.signature == "auto" else self.reward.signature})
+                    update={
+                        "type": "function",
+                        "function": spec,
+                        "signature": "verl" if self.reward.signature == "auto" else self.reward.signature,
+                    }
+                )
         return self
 
     @property

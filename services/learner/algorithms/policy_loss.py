@@ -146,8 +146,14 @@ def ppo_clip_loss(
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(loss_mat, mask, loss_agg_mode, norm_length=norm_length, global_tokens=global_tokens,
-                          global_seqs=global_seqs)
+    loss = aggregate_loss(
+        loss_mat,
+        mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+    )
     with torch.no_grad():
         stats = {
             "clipfrac": _masked_mean(clipped.to(mask.dtype), mask),
@@ -198,8 +204,14 @@ def gspo_loss(
     loss_mat, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate_loss(loss_mat, mask, loss_agg_mode, norm_length=norm_length, global_tokens=global_tokens,
-                          global_seqs=global_seqs)
+    loss = aggregate_loss(
+        loss_mat,
+        mask,
+        loss_agg_mode,
+        norm_length=norm_length,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+    )
     with torch.no_grad():
         seq_valid = (lengths > 0).to(mask.dtype)
         stats = {
@@ -230,11 +242,30 @@ def actor_policy_loss(
     surrogate with the dual clip on negative advantages; ``gspo`` aggregates seq-mean-token-mean whatever
     `loss_agg_mode` says."""
     if policy_loss == "gspo":
-        return gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high,
-                         GSPO_LOSS_AGG_MODE, is_weights, **agg)
+        return gspo_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            clip_low,
+            clip_high,
+            GSPO_LOSS_AGG_MODE,
+            is_weights,
+            **agg,
+        )
     if policy_loss in ("vanilla", "dual_clip"):
-        return ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high, clip_ratio_c,
-                             loss_agg_mode, is_weights, **agg)
+        return ppo_clip_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            clip_low,
+            clip_high,
+            clip_ratio_c,
+            loss_agg_mode,
+            is_weights,
+            **agg,
+        )
     raise ValueError(f"unknown policy_loss {policy_loss!r}; expected vanilla, dual_clip or gspo")
 
 

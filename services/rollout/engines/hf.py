@@ -97,7 +97,9 @@ class HFEngine(RolloutEngine):
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization, self.device)
         # transformers' static KV cache with its compiled (CUDA-graph) decode step: 4-5x the tokens/s of the
         # dynamic cache on a GPU. Shapes are bucketed (_bucket_rows, _bucket_width) so it compiles a few times.
-        self.compiled_decode = self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
+        self.compiled_decode = (
+            self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
+        )
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(
             self.model_path,
@@ -251,7 +253,9 @@ class HFEngine(RolloutEngine):
         lp_rows = lp[:real_rows].cpu().numpy()
         return [self._cut(g, lp_rows[b], stops, sp.ignore_eos) for b, g in enumerate(gen_rows)]
 
-    def _cut(self, tokens: list[int], logprobs: np.ndarray, stops: list[str], ignore_eos: bool = False) -> Completion:
+    def _cut(
+        self, tokens: list[int], logprobs: np.ndarray, stops: list[str], ignore_eos: bool = False
+    ) -> Completion:
         """Keeps tokens up to and including the first EOS or the token that completes a stop string."""
         window = _stop_window(stops)
         end, reason, stop_by = len(tokens), "length", None
@@ -345,8 +349,9 @@ class HFEngine(RolloutEngine):
             raise WeightSyncError("the announcement names this replica for CUDA IPC but carries no buffer")
         if self._ipc is None:
             self._ipc = IpcWeightReceiver()
-        received = self._ipc.receive(announcement.ipc_buffer.model_dump(), metas_from_announcement(announcement),
-                                     announcement.checksum)
+        received = self._ipc.receive(
+            announcement.ipc_buffer.model_dump(), metas_from_announcement(announcement), announcement.checksum
+        )
         self._check_and_map(received)  # a wrong name or shape is refused before the ack, never loaded
         return received
 
