@@ -141,5 +141,7 @@ def test_replica_weight_wait_stays_below_the_learner_batch_timeout() -> None:
     """Neither side may outwait the other: a replica holding work gives it back before the learner stalls."""
     assert load_config(None, ["trainer.batch_timeout_s=120"]).weight_wait_s == 60.0
     assert load_config(None, ["rollout.weight_wait_timeout_s=30"]).weight_wait_s == 30.0
-    with pytest.raises(ConfigError, match=r"rollout\.weight_wait_timeout_s=300 must be below trainer\.batch_timeout_s"):
+    with pytest.raises(
+        ConfigError, match=r"rollout\.weight_wait_timeout_s=300 must be below trainer\.batch_timeout_s"
+    ):
         load_config(None, ["rollout.weight_wait_timeout_s=300", "trainer.batch_timeout_s=300"])

@@ -855,6 +855,7 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _cu_cache["value"]
 
 
+@torch.compiler.disable  # sequence bounds come from host-side ints: one opaque op inside compiled layers
 def _varlen_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

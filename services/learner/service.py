@@ -365,7 +365,7 @@ class Learner:
         while len(batch) < need or self.val_pending:
             if self.ctx.stop.is_set():
                 raise asyncio.CancelledError
-            if need:
+            if need and self.pusher.pushed_version >= self.version:  # never work for weights no replica has
                 await self.dispatcher.top_up(self.version, step, len(batch))
             held, self.overflow = self.overflow, []
             for d in held:

@@ -229,6 +229,32 @@ async def admit(ctx: ServiceContext, deliveries: list, limits) -> list:
     return admitted
 
 
+async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
+    """Work that needs a policy version above the learner's current one was dispatched by a learner attempt
+    that died after pushing it (the learner only dispatches versions it delivered): the resumed learner
+    dropped it and dispatched its data again, so waiting for that version would only hold this replica."""
+    try:
+        learner_version = await ctx.state.get_policy_version(default=-1)
+    except Exception as exc:  # noqa: BLE001 - cannot tell: keep the work
+        ctx.log.warning("cannot read the learner's policy version", error=str(exc))
+        return deliveries
+    if learner_version < 0:
+        return deliveries
+    kept = []
+    for d in deliveries:
+        if d.message.min_policy_version <= learner_version:
+            kept.append(d)
+            continue
+        ctx.log.warning(
+            "work of an earlier learner attempt dropped",
+            prompt_id=d.message.prompt_id,
+            needs=d.message.min_policy_version,
+            learner=learner_version,
+        )
+        await d.term()
+    return kept
+
+
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
@@ -265,8 +291,11 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             deliveries = await admit(ctx, deliveries, limits)
             if not deliveries:
                 continue
+            deliveries = await drop_orphans(ctx, deliveries)
+            if not deliveries:
+                continue
             needed = max(d.message.min_policy_version for d in deliveries)
-            if not await replica.wait_for_version(needed, cfg.rollout.weight_wait_timeout_s, deliveries):
+            if not await replica.wait_for_version(needed, cfg.weight_wait_s, deliveries):
                 ctx.log.warning(
                     "weights too old for this work; handing it back", have=replica.version, need=needed
                 )

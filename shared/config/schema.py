@@ -145,8 +145,11 @@ class RolloutConfig(Section):
     enable_prefix_caching: bool = True
     sglang_url: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    weight_wait_timeout_s: float = Field(
-        120.0, gt=0, description="how long work waits for its min policy version"
+    weight_wait_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="how long work waits for its min policy version; None = half of "
+        "trainer.batch_timeout_s (it must stay below it, or a replica holding work could outwait the learner)",
     )
 
 
@@ -472,6 +475,23 @@ class RlbusConfig(BaseSettings):
                     }
                 )
         return self
+
+    @model_validator(mode="after")
+    def _waits_nest(self) -> RlbusConfig:
+        """A replica holding work for a version gives it back before the learner gives up on data."""
+        wait = self.rollout.weight_wait_timeout_s
+        if wait is not None and wait >= self.trainer.batch_timeout_s:
+            raise ValueError(
+                f"rollout.weight_wait_timeout_s={wait:g} must be below trainer.batch_timeout_s="
+                f"{self.trainer.batch_timeout_s:g}: a replica holding work would make the learner stall first"
+            )
+        return self
+
+    @property
+    def weight_wait_s(self) -> float:
+        """How long a replica holds work waiting for its weights (rollout.weight_wait_timeout_s resolved)."""
+        wait = self.rollout.weight_wait_timeout_s
+        return wait if wait is not None else self.trainer.batch_timeout_s / 2
 
     @property
     def needs_ref(self) -> bool:
