@@ -52,3 +52,19 @@ def test_before_training_reading_equals_offline_greedy(nats_url: str, run_id: st
     assert first["val/version"] == first["val/version_max"] == 0  # the initial weights, and only they
     assert first["val/prompts"] == 128
     assert first["val/accuracy"] == pytest.approx(offline_greedy_accuracy(cfg), abs=1e-9)
+
+
+@pytest.mark.timeout(300)
+def test_val_only_scores_the_starting_policy_and_trains_nothing(nats_url: str, run_id: str, tmp_path: Path) -> None:
+    """verl's trainer.val_only: one validation of the initial weights, then the run ends; no step is trained."""
+    from e2e_utils import Run, make_config
+
+    cfg = make_config(nats_url, run_id, tmp_path, ["trainer.val_only=true", "data.num_val_examples=64"])
+    with Run(cfg) as run:
+        assert run.wait_learner(240) == 0, run.logs("learner")
+        rows = run.metrics()
+        ledger = run.ledger()
+    assert len(rows) == 1 and "reward/mean" not in rows[0], rows
+    assert rows[0]["val/prompts"] == 64 and rows[0]["val/version"] == 0
+    assert rows[0]["val/accuracy"] == pytest.approx(offline_greedy_accuracy(cfg), abs=1e-9)
+    assert not ledger["trained"] and not ledger["dispatched"]
