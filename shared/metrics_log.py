@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,12 @@ def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
     )
 
 
+def tensorboard_dir(run_dir: Path, project: str, experiment: str) -> Path:
+    """verl's place when TENSORBOARD_DIR is set (<TENSORBOARD_DIR>/<project>/<experiment>), else the run's."""
+    root = os.environ.get("TENSORBOARD_DIR")
+    return Path(root) / project / experiment if root else Path(run_dir) / "tensorboard"
+
+
 class MetricsWriter:
     def __init__(
         self,
@@ -46,7 +53,7 @@ class MetricsWriter:
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir(self.run_dir, project, experiment)))
         self._wandb = None
         if "wandb" in self.loggers:
             import wandb  # optional; only when the user asked for it

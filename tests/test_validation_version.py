@@ -55,7 +55,9 @@ def test_before_training_reading_equals_offline_greedy(nats_url: str, run_id: st
 
 
 @pytest.mark.timeout(300)
-def test_val_only_scores_the_starting_policy_and_trains_nothing(nats_url: str, run_id: str, tmp_path: Path) -> None:
+def test_val_only_scores_the_starting_policy_and_trains_nothing(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
     """verl's trainer.val_only: one validation of the initial weights, then the run ends; no step is trained."""
     from e2e_utils import Run, make_config
 

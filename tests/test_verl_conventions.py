@@ -68,3 +68,13 @@ def test_keys_that_mean_nothing_here_are_warned_about() -> None:
     assert inert_key_warnings(load_config(None, [])) == []
     gae = load_config(None, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-5"])
     assert not any("critic." in w for w in inert_key_warnings(gae))
+
+
+def test_tensorboard_dir_follows_verl(tmp_path, monkeypatch) -> None:
+    """verl writes TensorBoard events to $TENSORBOARD_DIR/<project>/<experiment> when the variable is set."""
+    from rlbus.metrics_log import tensorboard_dir
+
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    assert tensorboard_dir(tmp_path / "run", "gsm8k", "qwen-grpo") == tmp_path / "tb" / "gsm8k" / "qwen-grpo"
+    monkeypatch.delenv("TENSORBOARD_DIR")
+    assert tensorboard_dir(tmp_path / "run", "gsm8k", "qwen-grpo") == tmp_path / "run" / "tensorboard"

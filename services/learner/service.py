@@ -448,6 +448,8 @@ class Learner:
         pad_id = int(self.tokenizer.pad_token_id)
         ledger_path = self.run_dir / "ledger.json"
         tokens_total, t_run = 0, time.perf_counter()
+        if cfg.trainer.val_only:
+            return await self.validate_only()
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             validate = (step == 0 and cfg.trainer.val_before_train) or (
@@ -514,6 +516,22 @@ class Learner:
             )
         await self.drain()
         self.ledger.save(ledger_path)
+        self.writer.close()
+        self.pusher.close()
+        return 0
+
+    async def validate_only(self) -> int:
+        """trainer.val_only (verl): held-out scores of the starting (or resumed) policy, logged at its step."""
+        if not self.val_records:
+            self.ctx.log.warning("trainer.val_only=true but there are no validation rows; nothing to do")
+        else:
+            await self.start_validation(self.start_step)
+            await self.gather(self.start_step, need=0)
+            self.writer.log(
+                self.start_step, {"policy/version": float(self.version), **self.validation_metrics()}
+            )
+        await self.drain()
+        self.ledger.save(self.run_dir / "ledger.json")
         self.writer.close()
         self.pusher.close()
         return 0

@@ -291,6 +291,9 @@ class TrainerConfig(Section):
     save_freq: int = Field(-1, description="checkpoint every N steps; -1 = never")
     test_freq: int = Field(25, description="validate (greedy, held-out split) every N steps; -1 = never")
     val_before_train: bool = True
+    val_only: bool = Field(
+        False, description="verl: validate the starting policy once, then stop (no training)"
+    )
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl", "tensorboard"], description="one name or a list"
     )
