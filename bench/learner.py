@@ -1,16 +1,18 @@
-"""Learner step benchmark: tokens/s and MFU of one training step (forward + backward + optimizer).
+"""Learner step benchmark: tokens/s, MFU and peak memory of one training step (forward + backward + optimizer).
 
 Runs, one after the other in one process on the same batch:
 
-* ``plain``: a plain single-GPU transformers loop: fp32 weights, ``torch.autocast(bf16)``, the model's own
-  cross-entropy (``labels=``) on the response tokens, gradient accumulation over micro-batches,
-  ``clip_grad_norm_``, ``torch.optim.AdamW``.
-* ``rlbus``: ``rlbus.learner.trainer.PolicyTrainer.train_step`` on one GPU (fp32 master weights, bf16
-  autocast; GRPO advantages, clipped PG loss, entropy and log-prob diagnostics), padded micro-batches of
-  the same size; ``+fsdp`` the same under FSDP2 over a world of one (MixedPrecisionPolicy bf16/fp32: what
-  each of N ranks runs); ``+pack`` with sequence packing (``model.use_remove_padding``, varlen flash
-  attention on CUDA) bounded by ``actor.ppo_max_token_len_per_gpu``; ``+gc`` gradient checkpointing;
-  ``+lora`` LoRA r=16 on all linear layers; ``+offload`` FSDP2 CPUOffloadPolicy (``actor.param_offload``).
+* ``plain-bf16``: the loop a user writes by hand, the baseline of the ratio column: the model held in bf16,
+  SDPA attention, fused AdamW, the model's own cross-entropy (``labels=``) over the whole sequence,
+  gradient accumulation over micro-batches, ``clip_grad_norm_``. ``plain``: the same with fp32 weights under
+  ``torch.autocast(bf16)`` and the loss on the response tokens.
+* ``rlbus``: ``rlbus.learner.trainer.PolicyTrainer.train_step`` with the default learner config (GRPO
+  advantages, clipped PG loss, entropy and log-prob diagnostics; chunked log-probs, compiled layers on
+  CUDA, bf16 parameters with the fp32 master in the optimizer), padded micro-batches of the same size.
+  Name parts add to it (``SUFFIX_OVERRIDES``): ``+nofuse`` full-vocabulary logits, ``+autocast`` fp32
+  parameters under autocast, ``+eager`` no torch.compile, ``+liger`` Liger's kernels, ``+pack`` sequence
+  packing (varlen flash attention on CUDA) bounded by ``actor.ppo_max_token_len_per_gpu``, ``+gc`` gradient
+  checkpointing, ``+lora`` LoRA r=16, ``+fsdp`` FSDP2 over a world of one, ``+offload`` CPUOffloadPolicy.
 * ``/var``: the same on a batch of mixed lengths (uniform in [seq_len/8, seq_len]): padding vs packing.
 
 The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
@@ -18,13 +20,11 @@ The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, inte
 (``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
 attention per token, recompute not counted, padding not counted (see ``parallel.train_flops_per_token``).
 
-Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 4, bf16, the
-median of 3 steps), latest run (2026-12-02, default configs): plain 67.3k tok/s (22.0% MFU); rlbus 60.7k
-(19.8%, 0.90x); rlbus+pack 52.0k (0.77x); rlbus+gc 43.2k (0.64x); mixed lengths: plain 35.4k, rlbus 32.7k
-(0.92x), rlbus+pack 35.5k (1.00x). An earlier run: plain 69.9k tok/s (22.8% MFU); rlbus 62.2k (20.3%, 0.89x
-plain); rlbus+pack 57.7k (0.82x: equal lengths, nothing to unpad); on mixed lengths (42% padding) plain
-39.5k, rlbus 33.6k (0.85x), rlbus+pack 46.3k (1.17x plain, 1.38x padded rlbus). FSDP2 over a world of one:
-51.7k (0.74x); seq_len 1024 x 32: plain 46.8k, rlbus 43.7k (0.93x), rlbus+fsdp 29.8k (0.64x).
+Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 8, bf16, the
+median of 3 steps), 2026-12-03: plain-bf16 84.8k tok/s (27.7% MFU, 52.7 GB); rlbus 106.8k (34.9%, 23.5 GB,
+1.26x); rlbus+autocast 102.0k (1.20x); rlbus+eager 80.5k (0.95x); rlbus+nofuse 95.2k (1.12x, 82.7 GB);
+rlbus+pack 86.6k (1.02x); mixed lengths: plain-bf16 44.2k, rlbus 55.6k (1.26x), rlbus+pack 58.5k (1.32x).
+The README's Benchmarks section has the table and a second run's caveat (compile state).
 
 Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
 ``rlbus.<service>`` -> ``services/<service>/`` are mapped at start-up):
