@@ -535,3 +535,25 @@ async def test_bus_survives_a_server_restart(private_nats: LocalNatsServer, run_
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+async def test_deleting_a_durable_hands_its_unacked_items_to_the_next_consumer_at_once(
+    bus: Bus, run_id: str
+) -> None:
+    """What a resumed learner relies on: ready groups a dead attempt fetched and never acked are not held for
+    the long ack wait once its durable is deleted; the re-created consumer gets them at once."""
+    for _ in range(3):
+        await bus.publish(Stage.READY, ReadyGroup(scored=scored(run_id)))
+    dead = await bus.consumer(Stage.READY, "learner", expected=ReadyGroup, ack_wait_s=600)
+    assert len(await dead.fetch(3, timeout=5)) == 3  # fetched by the attempt that then dies: never acked
+    await dead.close()
+    again = await bus.consumer(Stage.READY, "learner", expected=ReadyGroup, ack_wait_s=600)
+    assert await again.fetch(3, timeout=2) == []  # same durable: held for its 600 s ack wait
+    await again.close()
+    await bus.js.delete_consumer(bus.names.stream(Stage.READY), "learner")
+    fresh = await bus.consumer(Stage.READY, "learner", expected=ReadyGroup, ack_wait_s=600)
+    got = await fresh.fetch(3, timeout=5)
+    assert len(got) == 3
+    for d in got:
+        await d.ack()
+    assert await bus.stream_depth(Stage.READY) == 0

@@ -21,6 +21,9 @@ KEEPALIVE_EVERY_S = 10.0
 ATTEMPTS_KEY = "learner_attempts"  # KV fact: learner starts of this run id (kept across the fresh purge)
 
 
+LEARNER_DURABLE = "learner"  # the learner's consumer of ready groups
+
+
 def write_frames(frames: list[bytes]) -> bytes:
     return b"".join(len(f).to_bytes(8, "little") + f for f in frames)
 
@@ -149,7 +152,7 @@ class Learner:
 
         self.consumer = await self.ctx.bus.consumer(
             Stage.READY,
-            durable="learner",
+            durable=LEARNER_DURABLE,
             expected=ReadyGroup,
             ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
             max_deliver=self.cfg.bus.max_deliver,
@@ -185,6 +188,11 @@ class Learner:
         else:
             with contextlib.suppress(Exception):
                 await self.ctx.bus.js.purge_stream(self.ctx.bus.names.stream(Stage.PROMPTS))
+            # Ready groups the dead attempt fetched and never acked would stay invisible for the consumer's
+            # whole ack wait (600 s): dropping the durable hands them to our new consumer at once (the
+            # work-queue stream keeps every un-acked message), where they are counted as leftovers.
+            with contextlib.suppress(Exception):
+                await self.ctx.bus.js.delete_consumer(self.ctx.bus.names.stream(Stage.READY), LEARNER_DURABLE)
         await state.put_json(ATTEMPTS_KEY, self.attempt + 1)  # prompt ids of the next start differ
 
     async def _restore(self, path: Path) -> None:
