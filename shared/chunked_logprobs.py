@@ -16,6 +16,7 @@ or a bf16 model computes), then fp32, divided by the temperature, log-softmax ov
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,13 +28,17 @@ DEFAULT_CHUNK_TOKENS = 1024
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = logits / T in fp32, the quantity both the forward and the backward of a chunk work on."""
+    z = logits.float()
+    return z / temperature if temperature != 1.0 else z
+
+
 def chunk_stats(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-prob of target, entropy, log-sum-exp) per row of one chunk's logits, in fp32."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
+    z = _tempered(logits, temperature)
     lse = torch.logsumexp(z, dim=-1)
     p = torch.exp(z - lse.unsqueeze(-1))
     entropy = lse - (p * z).sum(-1)
@@ -52,9 +57,7 @@ def chunk_logits_grad(
 ) -> torch.Tensor:
     """d loss / d logits of one chunk, in the logits' dtype: with z = logits / T and p = softmax(z),
     d logprob / d z = onehot(target) - p and d entropy / d z = -p (z - E_p[z]), E_p[z] = lse - entropy."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
+    z = _tempered(logits, temperature)
     p = torch.exp(z - lse.unsqueeze(-1))
     mean_z = (lse - entropy).unsqueeze(-1)
     dz = -p * (grad_logprob.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (z - mean_z))
@@ -65,18 +68,17 @@ def chunk_logits_grad(
     return dz.to(logits.dtype)
 
 
-_COMPILED: dict[str, Callable] = {}
-
-
 def _kernel(fn: Callable, device: torch.device) -> Callable:
     """On CUDA, ``fn`` compiled by inductor into one fused pass over the chunk's logits (the eager version
     reads and writes fp32 copies of them several times, which cost more than the matrix products); eager
-    elsewhere. Compiled once per process, with dynamic shapes (chunks and micro-batches vary)."""
-    if device.type != "cuda":
-        return fn
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn.__name__]
+    elsewhere."""
+    return _compiled(fn) if device.type == "cuda" else fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """Once per process and function, with dynamic shapes (chunks and micro-batches vary)."""
+    return torch.compile(fn, dynamic=True)
 
 
 class ChunkedLogprobs(torch.autograd.Function):

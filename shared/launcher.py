@@ -15,7 +15,7 @@ from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import progress_line, read_metrics
 from rlbus.notices import NOTICES_FILE, read_notices
-from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED
+from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
 
 log = get_logger("launcher")
@@ -171,9 +171,8 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     refused = None
     shown = 0
     notices_file = run_dir / NOTICES_FILE
-    notices_at = (
-        notices_file.stat().st_size if notices_file.exists() else 0
-    )  # a resume's old notices are said
+    # a resume's old notices were said already
+    notices_at = notices_file.stat().st_size if notices_file.exists() else 0
     said: set[str] = set()
 
     def show_notices() -> None:
@@ -199,17 +198,16 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                 print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
             shown = len(rows)
             show_notices()
-            learner_rc = learner.proc.poll() if learner.proc is not None else None
-            if learner_rc in (0, EXIT_PUSH_FAILED):  # done, or stopped for a reason a restart would repeat
-                rc = learner_rc
+            if learner.proc is not None and learner.proc.poll() == 0:  # the run is done
+                rc = 0
                 break
             for p in procs:
                 code = p.proc.poll() if p.proc is not None else None
                 action = supervisor.on_exit(p.name, code, time.monotonic())
-                if (
-                    action is Action.REFUSED
-                ):  # its configuration cannot work: restarting it would loop forever
+                if action is Action.REFUSED:  # its configuration cannot work: a restart would loop forever
                     refused = p
+                elif action is Action.STOP:
+                    rc = int(code or 1)
                 elif action is Action.GIVE_UP:
                     gave_up = (p, int(code or 1))
                 elif action is Action.RESTART:
@@ -229,7 +227,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                         flush=True,
                     )
                     p.start()
-                if refused is not None or gave_up is not None:
+                if refused is not None or gave_up is not None or rc is not None:
                     break
             if refused is not None:
                 log.error(
@@ -241,6 +239,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                 break
             if gave_up is not None:
                 rc = gave_up[1]
+            if rc is not None:
                 break
         if rc is None:
             rc = 130  # stopped by a signal

@@ -3,7 +3,8 @@
 A service that exits non-zero is started again after a backoff that doubles with each of its restarts
 (capped), up to `run.max_restarts` times; the learner too (it resumes from its last checkpoint). Past the
 cap the run stops with one clear message instead of restarting forever. A service that refused its
-configuration (`EXIT_REFUSED`) is never restarted: it would refuse again.
+configuration (`EXIT_REFUSED`), or a learner whose weight push kept failing for one reason
+(`EXIT_PUSH_FAILED`), is never restarted: it would stop the same way again.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from rlbus.service import EXIT_REFUSED
+from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED
 
 
 class Action(Enum):
     NOTHING = "nothing"  # running, finished cleanly, or waiting out its backoff
     RESTART = "restart"
     REFUSED = "refused"  # stop the run: its configuration cannot work
+    STOP = "stop"  # stop the run with this code: it stopped for a reason a restart would repeat
     GIVE_UP = "give_up"  # stop the run: it kept dying
 
 
@@ -36,6 +38,8 @@ class Supervisor:
             return Action.NOTHING
         if rc == EXIT_REFUSED:
             return Action.REFUSED
+        if rc == EXIT_PUSH_FAILED:
+            return Action.STOP
         done = self.restarts.get(name, 0)
         if done >= self.max_restarts:
             return Action.GIVE_UP

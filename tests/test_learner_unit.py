@@ -9,7 +9,8 @@ import torch
 from rlbus.config import load_config
 from rlbus.learner.batch import collate
 from rlbus.learner.data import PromptLoader, load_split
-from rlbus.learner.trainer import PolicyTrainer, lr_lambda
+from rlbus.learner.optim import lr_lambda
+from rlbus.learner.trainer import PolicyTrainer
 from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
 from rlbus.tiny_model import default_model_path
 

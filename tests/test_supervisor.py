@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlbus.service import EXIT_REFUSED
+from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
 
 
@@ -32,5 +32,6 @@ def test_backoff_is_capped_and_counted_per_service() -> None:
 def test_refused_and_clean_exits_are_never_restarted() -> None:
     sup = Supervisor(max_restarts=5)
     assert sup.on_exit("reward", EXIT_REFUSED, 0.0) is Action.REFUSED
+    assert sup.on_exit("learner", EXIT_PUSH_FAILED, 0.0) is Action.STOP  # a restart would fail the same way
     assert sup.on_exit("rollout-0", 0, 0.0) is Action.NOTHING
     assert sup.restarts == {}

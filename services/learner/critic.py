@@ -24,6 +24,7 @@ from rlbus.config import RlbusConfig
 from rlbus.learner.algorithms.advantages import masked_mean
 from rlbus.learner.algorithms.value_loss import clipped_value_loss
 from rlbus.learner.batch import TrainBatch
+from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
 
 
@@ -72,8 +73,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 class Critic:
     def __init__(self, cfg: RlbusConfig, model_path: Path, device: torch.device, total_steps: int) -> None:
-        from rlbus.learner.trainer import lr_lambda, warmup_steps
-
         self.cfg = cfg
         self.device = device
         path = cfg.critic.model_path or model_path
@@ -83,19 +82,9 @@ class Critic:
             self.model.backbone, "gradient_checkpointing_enable"
         ):
             self.model.backbone.gradient_checkpointing_enable()
-        optim = cfg.critic.optim
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=optim.lr,
-            betas=optim.betas,
-            weight_decay=optim.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_lambda(
-                s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler, optim.min_lr_ratio
-            ),
-        )
+        # the policy's builders: critic.optim.eps now counts too (it was left at torch's default)
+        self.optimizer = build_optimizer(self.model, cfg.critic.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, total_steps)
 
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
         return self.model(

@@ -1,4 +1,5 @@
-"""The policy's optimizer: AdamW, or AdamW with the fp32 master weights kept in the optimizer.
+"""Optimizers and learning-rate schedules of the learner (policy and critic): AdamW, or AdamW with the fp32
+master weights kept in the optimizer; verl's warmup then constant or cosine decay.
 
 ``actor.master_weights=optimizer`` holds the model in ``model.dtype`` (bf16): forward, backward and the
 gradients are bf16 end to end, as in a hand-written bf16 loop, with no per-op casts and a bf16 residual
@@ -10,6 +11,7 @@ accumulated over micro-batches in bf16. The master lives in the optimizer state,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -108,3 +110,30 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
         return MasterWeightAdamW(params, **kwargs)
     fused = bool(params) and params[0].is_cuda
     return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+
+
+def warmup_steps(optim, total_steps: int) -> int:
+    """verl's rule: lr_warmup_steps, or (when it is -1) lr_warmup_steps_ratio of the total steps."""
+    if optim.lr_warmup_steps >= 0:
+        return int(optim.lr_warmup_steps)
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warmup, then constant or cosine decay to `min_ratio` of the base lr."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """`optim`'s schedule (warmup, then `lr_scheduler` down to `min_lr_ratio`) over `total_steps`."""
+    warmup = warmup_steps(optim, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup, total_steps, optim.lr_scheduler, optim.min_lr_ratio)
+    )

@@ -22,25 +22,8 @@ from rlbus.learner.algorithms.policy_loss import (
     truncated_is_weights,
 )
 from rlbus.learner.batch import TrainBatch
-from rlbus.learner.optim import build_optimizer
+from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
-
-
-def warmup_steps(optim, total_steps: int) -> int:
-    """verl's rule: lr_warmup_steps, or (when it is -1) lr_warmup_steps_ratio of the total steps."""
-    if optim.lr_warmup_steps >= 0:
-        return int(optim.lr_warmup_steps)
-    return int(optim.lr_warmup_steps_ratio * total_steps)
-
-
-def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Linear warmup, then constant or cosine decay to `min_ratio` of the base lr."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class PolicyTrainer:
@@ -54,12 +37,7 @@ class PolicyTrainer:
         self.model = parallel.build_policy_model(cfg, model_path, self.par)
         optim = cfg.actor.optim
         self.optimizer = build_optimizer(self.model, optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_lambda(
-                s, warmup_steps(optim, total_steps), total_steps, optim.lr_scheduler, optim.min_lr_ratio
-            ),
-        )
+        self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Critic hook (PPO with GAE): a value model with its own optimizer; None for critic-free estimators.

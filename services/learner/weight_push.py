@@ -133,6 +133,13 @@ class WeightPusher:
             )
         return live
 
+    def _same_members(self, transports: dict[str, Transport], live: dict[str, LiveReplica]) -> bool:
+        """Whether the last good push reached exactly these replicas, by these transports, in these processes
+        (a replica restarted under its id has a new incarnation: it needs a new group and the version)."""
+        return self.transports == transports and self.incarnations == {
+            rid: live[rid].incarnation for rid in transports
+        }
+
     def _cleared(self, replica_id: str, beat_time: float) -> bool:
         """False while `replica_id` is suspected of breaking a push and has not heartbeat since."""
         failed_at = self.suspects.get(replica_id)
@@ -173,7 +180,7 @@ class WeightPusher:
         live = await self.live_replicas()
         transports = self._assign(live)
         if not transports:
-            self.transports, self.ranks = {}, {}
+            self.transports, self.ranks, self.incarnations = {}, {}, {}
             self.pushed_version = version
             return True
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
@@ -191,11 +198,8 @@ class WeightPusher:
         except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
             self.transports = None
             return self._failed(version, f"preparing the push: {exc}", "group")
-        incarnations = {rid: live[rid].incarnation for rid in transports}
-        reform = (
-            self.transports != transports
-            or self.incarnations != incarnations
-            or (bool(group_ids) and (self.sender is None or not self.sender.is_open))
+        reform = not self._same_members(transports, live) or (
+            bool(group_ids) and (self.sender is None or not self.sender.is_open)
         )
         new_group = bool(group_ids) and reform
         if reform:
@@ -238,7 +242,8 @@ class WeightPusher:
                 self._suspect(group_ids)
                 return self._failed(version, error, "group")
             self.streaks.pop("group", None)
-        self.transports, self.ranks, self.incarnations = transports, ranks, incarnations
+        self.transports, self.ranks = transports, ranks
+        self.incarnations = {rid: live[rid].incarnation for rid in transports}
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
@@ -352,15 +357,12 @@ class WeightPusher:
     async def maintain(self, named_weights, version: int) -> None:
         """Called while waiting for data: serve late joiners and retry failed pushes."""
         replicas = await self.live_replicas()
-        live = set(self._assign(replicas))
-        members = set(self.transports or {})
-        if any(self.incarnations.get(r, "") != replicas[r].incarnation for r in members & live):
-            members = set()  # a member restarted under its id: push to the new process now
+        same = self._same_members(self._assign(replicas), replicas)
         if version == 0:
             # Everyone starts from the same checkpoint on disk: nothing to send yet.
-            self.transports = self.transports if members == live else None
+            self.transports = self.transports if same else None
             return
-        if self.pushed_version < version or members != live:
+        if self.pushed_version < version or not same:
             await self.push(named_weights, version)
         elif self._acks_due is not None and self._acks.qsize() >= len(self._acks_due[2]):
             await self._settle_acks()  # all acks are in: learn now whether a replica failed its read

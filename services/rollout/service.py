@@ -7,6 +7,7 @@ the engine), so a replica never generates with half-swapped weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from rlbus.config import RlbusConfig
@@ -66,15 +67,14 @@ class Replica:
             key = (ann.epoch, ann.version)
             if key == self.last_announcement:
                 continue
-            if await self._superseded(
-                key
-            ):  # a newer push is out: joining this one would wait on a dead group
+            if replica_id not in ann.ranks and replica_id not in ann.ipc_replicas:
+                continue
+            # a newer push is out: joining this one would wait on a dead group
+            if await self._superseded(key):
                 continue
             if replica_id in ann.ipc_replicas:
                 self.last_announcement = key
                 await self._take_ipc(ann)
-                continue
-            if replica_id not in ann.ranks:
                 continue
             if not ann.new_group and ann.epoch != self.joined_epoch:
                 # a group formed before this process (its predecessor under our id): the learner re-forms
@@ -84,13 +84,10 @@ class Replica:
             self.last_announcement = key
             t0 = time.perf_counter()
             try:
-                if self.engine.receives_while_generating:  # the learner's push need not wait for a batch
+                # an engine guarding its own swap receives beside generation: no wait for a batch
+                guard = contextlib.nullcontext() if self.engine.receives_while_generating else self.lock
+                async with guard:
                     await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
-                else:
-                    async with self.lock:
-                        await asyncio.to_thread(
-                            self.engine.receive_weights, ann, ann.ranks[replica_id], timeout
-                        )
             except Exception as exc:  # the learner notices too, and re-forms the group
                 self.ctx.log.error(
                     "weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc)
@@ -223,10 +220,15 @@ async def admit(ctx: ServiceContext, deliveries: list, limits) -> list:
         reason = rejection(d.message, limits)
         if reason is None:
             admitted.append(d)
-            continue
-        ctx.log.error("work item dead-lettered", prompt_id=d.message.prompt_id, reason=reason)
-        await d.dead_letter(reason)
+        else:
+            await park(ctx, d, reason)
     return admitted
+
+
+async def park(ctx: ServiceContext, delivery, reason: str) -> None:
+    """Dead-letter one work item the engine must not (or could not) take; the service goes on."""
+    ctx.log.error("work item dead-lettered", prompt_id=delivery.message.prompt_id, reason=reason)
+    await delivery.dead_letter(reason)
 
 
 async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
@@ -305,9 +307,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
             for d, outcome in zip(deliveries, outcomes, strict=True):
                 if isinstance(outcome, Exception):  # this item alone broke the engine: park it, go on
-                    reason = f"generation failed: {type(outcome).__name__}: {outcome}"
-                    ctx.log.error("work item dead-lettered", prompt_id=d.message.prompt_id, reason=reason)
-                    await d.dead_letter(reason)
+                    await park(ctx, d, f"generation failed: {type(outcome).__name__}: {outcome}")
                     continue
                 await ctx.bus.publish(Stage.TRAJECTORIES, outcome, msg_id=f"{outcome.work.prompt_id}:traj")
                 await d.ack()
