@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rlbus.config import RlbusConfig, load_config, save_config
@@ -22,28 +23,41 @@ FAST = [
 ]
 
 
+def up_command(tmp_path: Path, nats_url: str, run_id: str, *overrides: str) -> list[str]:
+    """`rlbus up` on the test's NATS and run dir; later overrides win over the defaults given here."""
+    return [
+        sys.executable,
+        "-m",
+        "rlbus.cli",
+        "up",
+        f"bus.url={nats_url}",
+        f"run.id={run_id}",
+        f"run.dir={tmp_path / 'runs'}",
+        "trainer.logger=[jsonl]",
+        *overrides,
+    ]
+
+
 def rlbus_up(
     tmp_path: Path, nats_url: str, run_id: str, *overrides: str, timeout: float
 ) -> subprocess.CompletedProcess:
-    """`rlbus up` as a user runs it (console output captured), on the test's NATS and run dir; later
-    overrides win over the defaults given here."""
+    """`rlbus up` as a user runs it (console output captured), to the end."""
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"bus.url={nats_url}",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
-            "trainer.logger=[jsonl]",
-            *overrides,
-        ],
+        up_command(tmp_path, nats_url, run_id, *overrides),
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=tmp_path,
     )
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls an observable condition until it holds; fails after `timeout_s` naming what it waited for."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
 
 
 def make_config(nats_url: str, run_id: str, tmp_path: Path, overrides: list[str]) -> RlbusConfig:

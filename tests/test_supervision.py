@@ -6,12 +6,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from e2e_utils import FAST
+from e2e_utils import FAST, up_command, wait_until
 
 from rlbus.metrics_log import read_metrics
 
@@ -34,14 +32,6 @@ def _children(parent: int) -> dict[str, int]:
     return out
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killed_services_are_restarted_and_the_run_finishes(
@@ -49,21 +39,17 @@ def test_killed_services_are_restarted_and_the_run_finishes(
 ) -> None:
     run_dir = tmp_path / "runs" / run_id
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"bus.url={nats_url}",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
+        up_command(
+            tmp_path,
+            nats_url,
+            run_id,
             *FAST,
             f"trainer.total_training_steps={STEPS}",
             "trainer.save_freq=10",
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
             "run.restart_backoff_s=0.5",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,12 +61,12 @@ def test_killed_services_are_restarted_and_the_run_finishes(
             rows = read_metrics(run_dir)
             return int(rows[-1]["step"]) if rows else 0
 
-        _wait_for(lambda: step() >= 5, 180, "step 5")
+        wait_until(lambda: step() >= 5, 180, "step 5")
         os.kill(_children(up.pid)["rollout"], signal.SIGKILL)
-        _wait_for(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
+        wait_until(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
         learner = _children(up.pid)["learner"]
         os.kill(learner, signal.SIGKILL)
-        _wait_for(lambda: _children(up.pid).get("learner") not in (None, learner), 60, "a new learner")
+        wait_until(lambda: _children(up.pid).get("learner") not in (None, learner), 60, "a new learner")
         out, err = up.communicate(timeout=300)
     finally:
         if up.poll() is None:
