@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-vllm test-gpu test-all demo lint format bench bench-rollout bench-learner bench-e2e tiny-model clean
+.PHONY: install test test-slow test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,12 +33,24 @@ test:
 test-slow:
 	$(PYTEST) -q -m "slow and not vllm and not gpu" tests || [ $$? -eq 5 ]
 
+# The seeded fault-injection run alone, with its report (it is also part of test-slow).
+test-chaos:
+	$(PYTEST) -q -s tests/test_chaos.py
+
 test-vllm:
 	$(PYTEST) -q -m "vllm and not gpu" tests || [ $$? -eq 5 ]
 
 # Needs a CUDA GPU (the lent H200): CUDA IPC handoff, hf engine compiled decode.
 test-gpu:
 	$(PYTEST) -q -m "gpu" tests
+
+# Real clusters on this host (root; installs Debian's Slurm / docker.io): the shipped slurm/rlbus.sbatch
+# on four Slurm nodes (network namespaces), and compose/docker-compose.yml on a dockerd of its own.
+test-slurm:
+	bash tests/cluster/slurm.sh
+
+test-compose:
+	bash tests/cluster/compose.sh
 
 test-all:
 	$(PYTEST) -q -m "not gpu and not sglang" tests

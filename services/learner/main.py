@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 from rlbus.config import RlbusConfig
@@ -20,9 +21,18 @@ def run_learner(cfg: RlbusConfig) -> int:
         parallel.DEFAULT_TIMEOUT_S, 3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s
     )
     ctx = parallel.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
+    if not ctx.is_leader:
+        try:
+            rc = parallel.worker_main(cfg)
+        finally:
+            parallel.shutdown()
+        # A worker has nothing left to write; interpreter teardown could only race torch's C++ threads
+        # (a multi-node worker aborted there once in four runs: "terminate called without an active
+        # exception", which torchrun reports as a failed job). Leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     try:
-        if not ctx.is_leader:
-            return parallel.worker_main(cfg)
         try:
             return asyncio.run(run_service(cfg, "learner", "learner", learner_loop))
         finally:
@@ -33,6 +43,9 @@ def run_learner(cfg: RlbusConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import faulthandler
+
+    faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints every thread's Python stack
 
     from rlbus.config import ConfigError, load_config
 

