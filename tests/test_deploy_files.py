@@ -253,8 +253,9 @@ def test_compose_stack_layout() -> None:
 
     for name in RLBUS_SERVICES:
         svc = services[name]
-        assert svc["build"]["context"] == ".." and svc["build"]["dockerfile"] == "compose/Dockerfile.cpu", name
-        assert set(svc["build"]["args"]) == {"BASE_IMAGE", "TORCH_INDEX_URL"}, name
+        build = svc["build"]
+        assert build["context"] == ".." and build["dockerfile"] == "compose/Dockerfile.cpu", name
+        assert set(build["args"]) == {"BASE_IMAGE", "TORCH_INDEX_URL"}, name
         assert svc["command"][:2] == ["rlbus", name] and "--config" in svc["command"], name
         assert "./config.yaml:/etc/rlbus/config.yaml:ro" in svc["volumes"], name
         env = svc["environment"]
