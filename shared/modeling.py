@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,8 +149,11 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    **attention_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each next token, [B, L-1] float32 (differentiable when the model is).
+
+    ``attention_kwargs`` go to the model's attention (e.g. a packed row's ``cu_seq_lens_q``).
 
     With return_entropy, also the entropy of each position's tempered distribution, [B, L-1].
     ``chunk_tokens`` > 0 (and a plain linear output layer): the output projection and softmax run that many
@@ -159,12 +163,20 @@ def token_logprobs(
     if chunk_tokens > 0 and supports_chunked_head(model):
         with logprob_head(model, input_ids, temp, chunk_tokens):
             out = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **attention_kwargs,
             )
         logprobs, entropy = out.logits.unbind(-1)
         return (logprobs, entropy) if return_entropy else logprobs
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **attention_kwargs,
     )
     logits = out.logits[:, :-1].float()
     if temp != 1.0:

@@ -40,7 +40,11 @@ COMPOSE = ROOT / "compose"
 K8S = ROOT / "k8s"
 SLURM = ROOT / "slurm"
 DOCS = [ROOT / "docs" / "cluster.md", K8S / "README.md", SLURM / "README.md"]
-COMPOSE_FILES = [COMPOSE / "docker-compose.yml", COMPOSE / "docker-compose.gpu.yml"]
+COMPOSE_FILES = [
+    COMPOSE / "docker-compose.yml",
+    COMPOSE / "docker-compose.gpu.yml",
+    COMPOSE / "docker-compose.gpu1.yml",
+]
 DOCKERFILES = [COMPOSE / "Dockerfile.cpu", COMPOSE / "Dockerfile.cuda"]
 K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 SBATCH = SLURM / "rlbus.sbatch"
@@ -226,7 +230,11 @@ def test_compose_spec_check_rejects_a_typo(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "shm_sise" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("files", [COMPOSE_FILES[:1], COMPOSE_FILES], ids=["cpu", "cpu+gpu"])
+@pytest.mark.parametrize(
+    "files",
+    [COMPOSE_FILES[:1], COMPOSE_FILES[:2], [COMPOSE_FILES[0], COMPOSE_FILES[2]]],
+    ids=["cpu", "cpu+gpu", "cpu+gpu1"],
+)
 def test_docker_compose_config_accepts_the_stack(files: list[Path]) -> None:
     args = [optional_tool("docker-compose")]
     for f in files:
@@ -278,6 +286,16 @@ def test_compose_gpu_override_reserves_nvidia_gpus() -> None:
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
     assert services["rollout"]["environment"]["RLBUS_ROLLOUT__NAME"] == "vllm"
+
+
+def test_compose_one_gpu_override_puts_learner_and_rollout_on_gpu_0() -> None:
+    services = load_yaml(COMPOSE_FILES[2])["services"]
+    for name in ("learner", "rollout"):
+        svc = services[name]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0"] and "count" not in device, name
+        assert svc["ipc"] == "host" and svc["pid"] == "host", name  # CUDA IPC across containers
+    assert services["rollout"]["environment"]["RLBUS_ROLLOUT__NAME"] == "hf"  # the engine with IPC receive
 
 
 def test_compose_environment_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) -> None:

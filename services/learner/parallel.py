@@ -41,6 +41,7 @@ rollout engine loads them as a plain state dict and never needs to know about ad
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -444,6 +445,10 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     if compile_layers is None:
         compile_layers = ctx.device.type == "cuda"
     if compile_layers:
+        # Every block shares one code object, so its graphs (grad on/off, each width until dynamic
+        # shapes kick in, packed or padded) count against one recompile limit: past torch's default
+        # of 8, dynamo silently runs the block eager.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for layer in decoder_layers(model):  # one compiled graph, reused by every (identical) block
             layer.compile()
     if mcfg.enable_gradient_checkpointing:
@@ -793,6 +798,12 @@ def _forward_logprobs(
     keep = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L] real tokens (right padded)
     ids = mb.input_ids[keep].unsqueeze(0)
     pos = mb.position_ids[keep].unsqueeze(0)
+    bounds = {}
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION:
+        # the sequence bounds, from host-side lengths: no device sync inside the (compiled) layers
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
+        max_len = int(lengths.max())
+        bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
     out = token_logprobs(
         model,
         ids.to(device),
@@ -801,6 +812,7 @@ def _forward_logprobs(
         mb.temperature,
         return_entropy=entropy,
         chunk_tokens=chunk,
+        **bounds,
     )
     lp_p, ent_p = out if entropy else (out, None)
     # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
@@ -822,6 +834,7 @@ def _forward_logprobs(
 
 VARLEN_ATTENTION = "rlbus_varlen"
 _cu_cache: dict[str, Any] = {}
+_VARLEN_PARAMS: frozenset[str] = frozenset()  # varlen_attn's keyword names in this torch, read once
 
 
 def packed_attention(device: torch.device, compute_dtype: torch.dtype) -> str:
@@ -831,11 +844,13 @@ def packed_attention(device: torch.device, compute_dtype: torch.dtype) -> str:
     if device.type != "cuda" or compute_dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        from torch.nn.attention.varlen import varlen_attn
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return "sdpa"
+    global _VARLEN_PARAMS
+    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
     return VARLEN_ATTENTION
@@ -850,8 +865,10 @@ def _varlen_mask(*args: Any, **kwargs: Any) -> Any:
     return sdpa_mask(*args, **kwargs)
 
 
+@torch.compiler.disable  # host-side ints: one opaque op; the learner passes the bounds in instead
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sequence starts (position 0) -> int32 cumulative lengths and the longest length, once per forward."""
+    """Sequence starts (position 0) -> int32 cumulative lengths and the longest length, once per forward
+    (for callers that do not pass ``cu_seq_lens_q``/``max_length_q``)."""
     # every layer gets the same position_ids object; holding it keeps its id from being reused
     if _cu_cache.get("pos") is not position_ids:
         pos = position_ids.reshape(-1)
@@ -863,7 +880,6 @@ def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _cu_cache["value"]
 
 
-@torch.compiler.disable  # sequence bounds come from host-side ints: one opaque op inside compiled layers
 def _varlen_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -874,8 +890,6 @@ def _varlen_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -886,7 +900,10 @@ def _varlen_attention_forward(
         )
     if position_ids is None or kwargs.get("sliding_window") or dropout:
         raise RuntimeError("varlen attention needs position ids, no sliding window and no dropout")
-    cu, max_len = _cu_seqlens(position_ids)
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None:
+        cu, max_len = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
+    else:
+        cu, max_len = _cu_seqlens(position_ids)
     dev = query.device.type
     # autocast does not cover this op, and rotary embeddings leave q/k in fp32: use the compute dtype
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
@@ -894,7 +911,7 @@ def _varlen_attention_forward(
     k = key[0].transpose(0, 1).to(dt)
     v = value[0].transpose(0, 1).to(dt)
     rep = q.shape[1] // k.shape[1]
-    params = inspect.signature(varlen_attn).parameters
+    params = _VARLEN_PARAMS
     extra: dict[str, Any] = {}
     if rep > 1 and "enable_gqa" in params:
         extra["enable_gqa"] = True

@@ -290,6 +290,11 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
                 weights = asyncio.create_task(replica.weight_loop())
             deliveries = await consumer.fetch(batch=cfg.rollout.prompts_per_batch, timeout=1.0)
+            again = [d for d in deliveries if d.num_delivered > 1]
+            if again:  # a replica died (or timed out) holding this work, or it was nak'ed back
+                ctx.log.info(
+                    "work redelivered", prompts=len(again), deliveries=max(d.num_delivered for d in again)
+                )
             deliveries = await admit(ctx, deliveries, limits)
             if not deliveries:
                 continue

@@ -56,6 +56,7 @@ teardown() {
     exit "$rc"
 }
 trap teardown EXIT
+trap "exit 130" INT TERM  # so a stopped run still tears down
 
 # ---- network: a bridge on the host side, one namespace per node ---------------------------------
 ip link add "$BRIDGE" type bridge
