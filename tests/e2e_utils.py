@@ -51,6 +51,26 @@ def rlbus_up(
     )
 
 
+def service_children(parent: int) -> dict[str, int]:
+    """The services `rlbus up` (pid `parent`) started, read from /proc: name -> pid, a rollout replica by its
+    replica id (rollout-0, rollout-1, ...)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == parent and b"rlbus.cli" in args:
+            name = args[args.index(b"rlbus.cli") + 1].decode()
+            if b"--replica-id" in args:  # rollout-0, rollout-1, ...
+                name = args[args.index(b"--replica-id") + 1].decode()
+            out[name] = int(entry.name)
+    return out
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Polls an observable condition until it holds; fails after `timeout_s` naming what it waited for."""
     deadline = time.monotonic() + timeout_s

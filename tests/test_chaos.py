@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from e2e_utils import FAST, up_command, wait_until
+from e2e_utils import FAST, service_children, up_command, wait_until
 
 from rlbus.bus import Bus, LocalNatsServer, Stage
 from rlbus.config import RlbusConfig
@@ -41,25 +41,6 @@ OVERRIDES = [
     "run.restart_backoff_s=0.5",
     f"trainer.seed={SEED}",
 ]
-
-
-def _children(parent: int) -> dict[str, int]:
-    """The services `rlbus up` (pid `parent`) started: service name -> pid, read from /proc."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat[1]) == parent and b"rlbus.cli" in args:
-            name = args[args.index(b"rlbus.cli") + 1].decode()
-            if b"--replica-id" in args:  # rollout-0, rollout-1, ...
-                name = args[args.index(b"--replica-id") + 1].decode()
-            out[name] = int(entry.name)
-    return out
 
 
 @dataclass
@@ -148,13 +129,13 @@ def _inject(what: str, up_pid: int, server: LocalNatsServer, cfg: RlbusConfig, r
     if what == "junk":
         asyncio.run(_publish_junk(cfg, 200))
         return "200 junk messages on prompts and trajectories"
-    children = _children(up_pid)
+    children = service_children(up_pid)
     if what == "rollout":
         what = rng.choice(sorted(n for n in children if n.startswith("rollout")))
     pid = children.get(what)
     if pid is None:  # restarting right now: wait for its successor, then kill that
-        wait_until(lambda: what in _children(up_pid), 30, f"{what} to be back")
-        pid = _children(up_pid)[what]
+        wait_until(lambda: what in service_children(up_pid), 30, f"{what} to be back")
+        pid = service_children(up_pid)[what]
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL {what}"
 

@@ -7,11 +7,13 @@ import asyncio
 import importlib.util
 import json
 import random
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from batch_utils import ready_group
 
 from rlbus.config import load_config
 from rlbus.learner import checkpoint as ck
@@ -34,22 +36,7 @@ OVERRIDES = [
 ]
 
 
-def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) -> ReadyGroup:
-    work = PromptWork(
-        run_id="r",
-        prompt_id=f"p{prompt}",
-        index=0,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=prompt,
-        n=len(responses),
-        sampling=SamplingParams(),
-    )
-    samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.5, dtype=np.float32)) for r in responses]
-    traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
-    return ReadyGroup(
-        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
-    )
+_group = partial(ready_group, logprob=-1.5)
 
 
 def _batch(seed: int):
@@ -316,7 +303,7 @@ def test_ppo_critic_survives_a_checkpoint(tmp_path) -> None:
     from rlbus.learner.batch import collate
     from rlbus.learner.checkpoint import load_checkpoint, save_checkpoint
     from rlbus.learner.trainer import PolicyTrainer
-    from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
+    from rlbus.messages import PromptWork
     from rlbus.tiny_model import default_model_path
 
     cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batch_utils import ready_group
 from transformers import AutoModelForCausalLM
 
 from rlbus.config import load_config
@@ -12,32 +13,13 @@ from rlbus.learner.algorithms.advantages import gae_advantages, sequence_to_toke
 from rlbus.learner.batch import collate
 from rlbus.learner.critic import Critic, explained_variance
 from rlbus.learner.trainer import PolicyTrainer
-from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
 from rlbus.tiny_model import default_model_path
-
-
-def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) -> ReadyGroup:
-    work = PromptWork(
-        run_id="r",
-        prompt_id=f"p{prompt}",
-        index=0,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=prompt,
-        n=len(responses),
-        sampling=SamplingParams(),
-    )
-    samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, dtype=np.float32)) for r in responses]
-    traj = TrajectoryGroup(work=work, samples=samples, policy_version=0, replica_id="x", engine="hf")
-    return ReadyGroup(
-        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
-    )
 
 
 def _batch():
     groups = [
-        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+        ready_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        ready_group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
     ]
     return collate(groups, pad_id=0)
 
@@ -187,8 +169,8 @@ def test_ppo_gae_with_kl_in_reward() -> None:
     )
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
     groups = [
-        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+        ready_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        ready_group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
     ]
     for g in groups:  # a reference that disagrees with the policy: a non-zero KL on every token
         g.ref_logprobs = [

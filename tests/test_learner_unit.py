@@ -5,38 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batch_utils import ready_group
 
 from rlbus.config import load_config
 from rlbus.learner.batch import collate
 from rlbus.learner.data import PromptLoader, load_split
 from rlbus.learner.optim import lr_lambda
 from rlbus.learner.trainer import PolicyTrainer
-from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
 from rlbus.tiny_model import default_model_path
 
 
-def _group(
-    prompt: list[int], responses: list[list[int]], rewards: list[float], version: int = 0
-) -> ReadyGroup:
-    work = PromptWork(
-        run_id="r",
-        prompt_id=f"p{prompt}",
-        index=0,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=prompt,
-        n=len(responses),
-        sampling=SamplingParams(),
-    )
-    samples = [Sample(response_ids=r, logprobs=np.full(len(r), -1.0, dtype=np.float32)) for r in responses]
-    traj = TrajectoryGroup(work=work, samples=samples, policy_version=version, replica_id="x", engine="hf")
-    return ReadyGroup(
-        scored=ScoredGroup(trajectories=traj, rewards=rewards, correct=[r > 0 for r in rewards])
-    )
-
-
 def test_collate_aligns_response_mask_with_next_token_positions() -> None:
-    batch = collate([_group([5, 6, 7], [[8, 9], [10]], [1.0, 0.0])], pad_id=0)
+    batch = collate([ready_group([5, 6, 7], [[8, 9], [10]], [1.0, 0.0])], pad_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]]
     # position t predicts token t+1: responses start predicting at t = len(prompt) - 1 = 2
     assert batch.response_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
@@ -81,8 +61,8 @@ def test_one_update_changes_weights_and_reports_finite_metrics(overrides: list[s
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     groups = [
-        _group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
-        _group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
+        ready_group([3, 4, 5], [[6, 7], [8], [9, 10, 11]], [1.0, 0.0, 0.0]),
+        ready_group([12, 13], [[14], [15, 16]], [0.0, 1.0]),
     ]
     metrics = trainer.train_step(collate(groups, pad_id=0))
     assert all(np.isfinite(v) for v in metrics.values()), metrics

@@ -9,27 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from e2e_utils import FAST, up_command, wait_until
+from e2e_utils import FAST, service_children, up_command, wait_until
 
 from rlbus.metrics_log import read_metrics
 
 STEPS = 60
-
-
-def _children(parent: int) -> dict[str, int]:
-    """The services `rlbus up` (pid `parent`) started: service name -> pid, read from /proc."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat[1]) == parent and b"rlbus.cli" in args:
-            out[args[args.index(b"rlbus.cli") + 1].decode()] = int(entry.name)
-    return out
 
 
 @pytest.mark.slow
@@ -62,11 +46,13 @@ def test_killed_services_are_restarted_and_the_run_finishes(
             return int(rows[-1]["step"]) if rows else 0
 
         wait_until(lambda: step() >= 5, 180, "step 5")
-        os.kill(_children(up.pid)["rollout"], signal.SIGKILL)
+        os.kill(service_children(up.pid)["rollout-0"], signal.SIGKILL)
         wait_until(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
-        learner = _children(up.pid)["learner"]
+        learner = service_children(up.pid)["learner"]
         os.kill(learner, signal.SIGKILL)
-        wait_until(lambda: _children(up.pid).get("learner") not in (None, learner), 60, "a new learner")
+        wait_until(
+            lambda: service_children(up.pid).get("learner") not in (None, learner), 60, "a new learner"
+        )
         out, err = up.communicate(timeout=300)
     finally:
         if up.poll() is None:
