@@ -154,6 +154,10 @@ def run_rlbus(args: argparse.Namespace, model_dir: Path | None, async_level: int
     handoff = [float(r["timing/weight_push_s"]) for r in rows[args.warmup :]]
     out = summarize(times, args.warmup, args.prompts * args.n * args.max_tokens, sampler, handoff)
     out["train_s"] = statistics.median(float(r["timing/train_s"]) for r in rows[args.warmup :])
+    for key in ("weights/handoff_s", "weights/ack_wait_s"):  # the push's parts (medians), for the note
+        values = [float(r[key]) for r in rows[args.warmup :] if key in r]
+        if values:
+            print(f"  {key}: {statistics.median(values):.4f} s", flush=True)
     return out
 
 

@@ -33,6 +33,7 @@ from rlbus.weight_sync import (
 )
 
 _CHUNK = 1 << 24  # elements per fp64 partial sum: bounds the temporary
+_REFILL_BYTES = 256 << 20  # bytes of tensors per multi-tensor copy when refilling the shared buffer
 
 
 def device_checksum(tensors: Iterable[torch.Tensor], with_abs: bool = False) -> tuple[float, float]:
@@ -118,6 +119,7 @@ class IpcWeightSender:
         self._buffer: torch.Tensor | None = None
         self._handle: dict[str, Any] | None = None
         self._metas: list[TensorMeta] | None = None  # the buffer's layout, fixed by the first fill
+        self._views: list[torch.Tensor] | None = None  # [buffer, one typed view per tensor]
         self.last_fill_seconds = 0.0
 
     @property
@@ -166,23 +168,48 @@ class IpcWeightSender:
             else:
                 metas, buffer = self._metas, self._buffer
                 assert buffer is not None
-                offsets, _ = bucket_layout(metas)
-                iterator = iter(named_tensors)
-                for meta, offset in zip(metas, offsets, strict=True):
-                    _flatten_into(
-                        [next_matching(iterator, meta).to(self.device, non_blocking=True)], buffer[offset:]
-                    )
-                if next(iterator, None) is not None:
-                    raise WeightSyncError(f"more tensors than the shared buffer's {len(metas)}")
+                self._refill(named_tensors, metas, buffer)
             checksum, _ = device_checksum(dtype_runs(buffer, metas))
             torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before anyone is told
         self.last_fill_seconds = time.perf_counter() - t0
         return metas, checksum
 
+    def _refill(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta], buffer: torch.Tensor
+    ) -> None:
+        """Copies a new version into the layout: multi-tensor copies of up to _REFILL_BYTES at a time (a
+        few kernel launches instead of one per tensor, which matters while generation shares the GPU),
+        never holding more than that of gathered tensors. The zero padding from the first fill stays."""
+        if self._views is None or self._views[0].data_ptr() != buffer.data_ptr():
+            offsets, _ = bucket_layout(metas)
+            self._views = [
+                buffer[off : off + m.nbytes].view(m.torch_dtype).view(m.shape)
+                for m, off in zip(metas, offsets, strict=True)
+            ]
+            self._views = [buffer, *self._views]  # [0] remembers which buffer the views are of
+        views = self._views[1:]
+        iterator = iter(named_tensors)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        pending = 0
+        for meta, view in zip(metas, views, strict=True):
+            tensor = next_matching(iterator, meta).detach()
+            dst.append(view)
+            src.append(tensor.to(self.device, non_blocking=True))
+            pending += view.numel() * view.element_size()
+            if pending >= _REFILL_BYTES:
+                torch._foreach_copy_(dst, src)
+                dst, src, pending = [], [], 0
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if next(iterator, None) is not None:
+            raise WeightSyncError(f"more tensors than the shared buffer's {len(metas)}")
+
     def close(self) -> None:
         self._buffer = None
         self._handle = None
         self._metas = None
+        self._views = None
 
 
 class IpcWeightReceiver:

@@ -495,3 +495,10 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     m = batch.response_mask.bool()
     assert float((got - want).abs()[m].max()) < 1e-5
     assert float((padded - want).abs()[m].max()) < 1e-5
+    # rows of one length have no padding to remove: they run as dense rows, not through varlen
+    calls.clear()
+    one = batch.select([0, 0])
+    with torch.no_grad():
+        dense, _ = parallel.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
+    assert not calls
+    assert float((dense - want[[0, 0]]).abs()[one.response_mask.bool()].max()) < 1e-5

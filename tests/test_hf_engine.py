@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers_tiny import build_tiny_model
 
+from rlbus.gqa_attention import GQA_SDPA
 from rlbus.messages import SamplingParams
 from rlbus.modeling import response_logprobs
 from rlbus.rollout.engines.base import GenerationRequest
@@ -73,6 +74,7 @@ def test_shapes_n_and_max_tokens(engine: HFEngine) -> None:
     ids=["t1", "t0.7", "t0.7-topk5", "t1.3-topp0.8", "greedy"],
 )
 def test_behaviour_logprobs_equal_recompute(engine: HFEngine, sp: SamplingParams) -> None:
+    assert engine.model.config._attn_implementation == GQA_SDPA  # (tests/test_gqa_attention: grouped heads)
     prompts = _prompts(engine)
     res = engine.generate([GenerationRequest(p, 4, sp) for p in prompts])
     assert _max_diff(engine, prompts, res, sp.temperature) < 1e-4

@@ -759,8 +759,8 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
-    Padded: the micro-batch is cut to its longest row (right padding makes that exact). Packed: all rows'
-    real tokens in ONE row with position ids restarting at 0 per sequence and no attention mask, which
+    Padded: the micro-batch is cut to its longest row (right padding makes that exact). Packed, when the
+    rows' lengths differ (equal lengths run padded: nothing to remove): all rows' real tokens in ONE row with position ids restarting at 0 per sequence and no attention mask, which
     transformers turns into a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the
     values are scattered back into the padded layout (zeros off the real tokens).
     """
@@ -778,7 +778,9 @@ def _forward_logprobs(
 
     lengths = mb.attention_mask.sum(-1).long()
     bsz, width = mb.input_ids.shape
-    if not packed:
+    # Rows of one length have no padding to remove: the dense rows are the cheaper layout for the kernels
+    # (measured on the H200: varlen over equal lengths ran ~5% below batched flash sdpa).
+    if not packed or bool((lengths == lengths[0]).all()):
         w = max(int(lengths.max()), 2)
         out = token_logprobs(
             model,

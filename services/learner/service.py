@@ -480,8 +480,9 @@ class Learner:
             if step <= 1 and cfg.trainer.dump_first_batch:
                 self._dump(step, groups, metrics)
             self.version += 1
-            for d in deliveries:
-                await self._settle(d, None, step)
+            # the trained groups' acks, concurrently: each is a round trip to the server
+            await asyncio.gather(*(self._settle(d, None, step) for d in deliveries))
+            t_settled = time.perf_counter()
             await self.pusher.push(self._named_weights, self.version)
             await self.ctx.state.set_policy_version(self.version)
             self.ctx.policy_version = self.version
@@ -492,7 +493,8 @@ class Learner:
                 {
                     "timing/wait_batch_s": t_gathered - t_step,
                     "timing/train_s": t_trained - t_gathered,
-                    "timing/weight_push_s": t_pushed - t_trained,
+                    "timing/settle_s": t_settled - t_trained,
+                    "timing/weight_push_s": t_pushed - t_settled,  # the new version handed over and announced
                     "timing/step_s": t_pushed - t_step,
                     "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
                     "perf/step_tokens": float(tokens),
@@ -502,6 +504,7 @@ class Learner:
                     "bus/dead_letters": float(getattr(self.consumer, "dead_letters", 0)),
                     "weights/push_failures": float(self.pusher.failures),
                     "weights/handoff_s": float(self.pusher.last_seconds),
+                    "weights/ack_wait_s": float(self.pusher.last_ack_wait_seconds),
                     "prompts/dispatched": float(len(self.ledger.dispatched)),
                     "prompts/trained": float(len(self.ledger.trained)),
                     "prompts/leftovers": float(self.ledger.leftovers),

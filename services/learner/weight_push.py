@@ -81,7 +81,8 @@ class WeightPusher:
         self.epoch = 0
         self.ranks: dict[str, int] = {}  # replica id -> rank, of the open torch group
         self.pushed_version = 0
-        self.last_seconds = 0.0
+        self.last_seconds = 0.0  # the last push, from preparing it to the announcement (and group send)
+        self.last_ack_wait_seconds = 0.0  # before it: waiting for the replicas to let go of the IPC buffer
         self.last_bytes = 0
         self.failures = 0
         self.port = 0
@@ -186,11 +187,13 @@ class WeightPusher:
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
         group_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc")
         backend = group_backend(transports.values())
+        t_acks = time.perf_counter()
         if ipc_ids:
             await self._settle_acks()  # the shared buffer is refilled only once every reader let go of it
         else:
             self._acks_due = None
         t0 = time.perf_counter()
+        self.last_ack_wait_seconds = t0 - t_acks
         try:
             plan, ipc_buffer = await asyncio.to_thread(
                 self._prepare, named_weights, bool(group_ids), bool(ipc_ids), backend

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from rlbus.gqa_attention import register_gqa_sdpa
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import (
     effective_temperature,
@@ -100,6 +101,9 @@ class HFEngine(RolloutEngine):
         self.compiled_decode = (
             self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
         )
+        if attn_implementation == "sdpa":
+            # sdpa without copying the KV cache per query head under the padding mask (rlbus.gqa_attention)
+            attn_implementation = register_gqa_sdpa()
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(
             self.model_path,
