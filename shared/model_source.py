@@ -2,16 +2,58 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def resolve_model_path(path: Path | str | None) -> Path:
+SHM_ROOT = Path("/dev/shm/rlbus-models")
+
+
+def resolve_model_path(path: Path | str | None, use_shm: bool = False, shm_root: Path | None = None) -> Path:
     """`model.path` as a local directory. A hub id ("Qwen/Qwen2.5-0.5B-Instruct", as verl's configs give
     it) that is not a local directory resolves through huggingface_hub's cache, so `HF_HOME`,
-    `HF_HUB_CACHE` and `HF_HUB_OFFLINE` mean what they mean to transformers (offline: the cache only)."""
+    `HF_HUB_CACHE` and `HF_HUB_OFFLINE` mean what they mean to transformers (offline: the cache only).
+    `use_shm` (verl's `model.use_shm`): the directory is copied to /dev/shm once per host and loaded
+    from there."""
+    local = _local_model_path(path)
+    return copy_to_shm(local, shm_root or SHM_ROOT) if use_shm else local
+
+
+def copy_to_shm(src: Path, root: Path = SHM_ROOT) -> Path:
+    """`src` copied under `root` (a tmpfs), once per host: every service of a host that asks for the same
+    checkpoint (same path, file sizes and times) gets the same copy. The copy is made in a temporary
+    directory and renamed into place, so a reader never sees a half-written model."""
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    digest = hashlib.sha256(str(src.resolve()).encode())
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.relative_to(src)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    dest = root / f"{src.name}-{digest.hexdigest()[:16]}"
+    if (dest / "config.json").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True)
+    need = sum(f.stat().st_size for f in files)
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise OSError(f"model.use_shm: {src} needs {need / 1e9:.1f} GB in {root}, {free / 1e9:.1f} GB free")
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
+    try:
+        shutil.copytree(src, staging, dirs_exist_ok=True)
+        os.rename(staging, dest)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (dest / "config.json").is_file():  # another service of this host won the race: use its copy
+            raise
+    return dest
+
+
+def _local_model_path(path: Path | str | None) -> Path:
     if path is None:
         from rlbus.tiny_model import ensure_default_model
 

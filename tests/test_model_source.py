@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,31 @@ def test_a_hub_id_missing_offline_names_the_key_and_the_fix(tmp_path: Path) -> N
 def test_a_missing_directory_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model_path(tmp_path / "nope" / "model")
+
+
+def test_use_shm_copies_once_per_checkpoint_and_loads_from_the_copy(tmp_path: Path) -> None:
+    from rlbus.config import load_config
+    from rlbus.modeling import load_causal_lm
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(ensure_default_model(), src)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = Path(tempfile.mkdtemp(prefix="rlbus-test-shm-", dir=shm))
+    try:
+        cfg = load_config(
+            None, [f"actor_rollout_ref.model.path={src}", "actor_rollout_ref.model.use_shm=True"]
+        )
+        assert cfg.model.use_shm and not cfg.inert_keys
+        first = resolve_model_path(cfg.model.path, cfg.model.use_shm, shm_root=root)
+        assert first.parent == root and first != src
+        assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in src.iterdir())
+        marker = first / "config.json"
+        stamp = marker.stat().st_mtime_ns
+        assert resolve_model_path(src, use_shm=True, shm_root=root) == first  # the host's copy, reused
+        assert marker.stat().st_mtime_ns == stamp
+        (src / "config.json").write_text((src / "config.json").read_text() + "\n")  # a changed checkpoint
+        assert resolve_model_path(src, use_shm=True, shm_root=root) != first
+        assert load_causal_lm(first, "float32", "cpu") is not None
+        assert resolve_model_path(src) == src  # without use_shm: the directory itself
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

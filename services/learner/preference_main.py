@@ -153,7 +153,7 @@ def local_ref_logps(cfg: RlbusConfig, seqs: Sequence[Seq], device: torch.device)
     """Token log-probs of every sequence under the frozen reference, loaded here and dropped afterwards."""
     from rlbus.model_source import resolve_model_path
 
-    path = cfg.ref.model_path or resolve_model_path(cfg.model.path)
+    path = cfg.ref.model_path or resolve_model_path(cfg.model.path, cfg.model.use_shm)
     ref = load_causal_lm(
         path, cfg.model.dtype, device, trainable=False, trust_remote_code=cfg.model.trust_remote_code
     )
@@ -611,7 +611,7 @@ def build_trainer(cfg: RlbusConfig, run_dir: Path) -> tuple[Trainer, Any]:
     pcfg = cfg.preference
     torch.manual_seed(pcfg.seed)
     device = pick_device(cfg.trainer.device)
-    policy_path = resolve_model_path(cfg.model.path)
+    policy_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
     tokenizer = load_tokenizer(policy_path, cfg.model.trust_remote_code)
     data = build_data(cfg, tokenizer, run_dir)
     kl_seqs = kl_partners(data.train_unpaired, pcfg.seed) if pcfg.algorithm == "kto" else []

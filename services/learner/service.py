@@ -120,7 +120,7 @@ class Learner:
             from rlbus.learner.checkpoint import rewind_metrics
 
             rewind_metrics(self.run_dir, 0)  # an earlier attempt's rows (none of them resumable) move aside
-        model_path = resolve_model_path(cfg.model.path)
+        model_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
         self.tokenizer = load_tokenizer(model_path)
         records = prepare_prompts(load_split(cfg.data, "train"), self.tokenizer, cfg.data, "train")
         self.val_records = prepare_prompts(load_split(cfg.data, "val"), self.tokenizer, cfg.data, "val")

@@ -14,16 +14,18 @@ import torch
 
 from rlbus.config import RlbusConfig
 from rlbus.learner import parallel
-from rlbus.learner.algorithms.advantages import compute_advantages
+from rlbus.learner.algorithms.advantages import compute_advantages, user_advantages
 from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
 from rlbus.learner.algorithms.policy_loss import (
     actor_policy_loss,
     aggregate_loss,
     truncated_is_weights,
+    user_policy_loss,
 )
 from rlbus.learner.batch import TrainBatch
 from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
+from rlbus.plugins import is_import_path, load_callable
 
 
 class PolicyTrainer:
@@ -44,6 +46,18 @@ class PolicyTrainer:
         from rlbus.learner.critic import build_critic
 
         self.critic = build_critic(cfg, model_path, self.device, total_steps)
+        # Estimators and policy losses named by import path (verl's registries): loaded once, here.
+        algo, actor = cfg.algorithm, cfg.actor
+        self.user_estimator = (
+            load_callable(algo.adv_estimator, "algorithm.adv_estimator")
+            if is_import_path(algo.adv_estimator)
+            else None
+        )
+        self.user_policy_loss = (
+            load_callable(actor.policy_loss, "actor.policy_loss")
+            if is_import_path(actor.policy_loss)
+            else None
+        )
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What the weight push sends: full tensors one at a time, state-dict order, in `model.dtype`
@@ -106,23 +120,29 @@ class PolicyTrainer:
         if algo.use_kl_in_reward and batch.ref_logprobs is not None and old_logprobs is not None:
             kl_in_reward = kl_estimate(old_logprobs, batch.ref_logprobs, algo.kl_penalty) * mask
         token_rewards = None
-        if algo.adv_estimator in ("reinforce_plus_plus", "gae") or kl_in_reward is not None:
+        token_level = algo.adv_estimator in ("reinforce_plus_plus", "gae") or self.user_estimator is not None
+        if token_level or kl_in_reward is not None:
             from rlbus.learner.algorithms.advantages import sequence_to_token_rewards
 
             token_rewards = sequence_to_token_rewards(rewards, mask, kl_in_reward, self.kl_ctrl.value)
-        estimator = "dr_grpo" if algo.adv_estimator == "dr_grpo" else algo.adv_estimator
         values = self.critic.values(batch) if self.critic is not None else None  # critic hook: old values
-        advantages, returns = compute_advantages(
-            estimator,
-            response_mask=mask,
-            rewards=None if token_rewards is not None else rewards,
-            group_ids=batch.group_ids,
-            token_rewards=token_rewards,
-            values=values,
-            gamma=algo.gamma,
-            lam=algo.lam,
-            norm_by_std=algo.norm_adv_by_std_in_grpo,
-        )
+        if self.user_estimator is not None:
+            assert token_rewards is not None
+            advantages, returns = user_advantages(
+                self.user_estimator, token_rewards, mask, batch.group_ids, algo
+            )
+        else:
+            advantages, returns = compute_advantages(
+                algo.adv_estimator,
+                response_mask=mask,
+                rewards=None if token_rewards is not None else rewards,
+                group_ids=batch.group_ids,
+                token_rewards=token_rewards,
+                values=values,
+                gamma=algo.gamma,
+                lam=algo.lam,
+                norm_by_std=algo.norm_adv_by_std_in_grpo,
+            )
 
         clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
         clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
@@ -148,19 +168,24 @@ class PolicyTrainer:
                     behaviour = mb.behaviour_logprobs.to(self.device)
                     is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
                     adv = mini_adv[idx].to(self.device)
-                    pg_loss, stats = actor_policy_loss(
-                        actor.policy_loss,
-                        logprobs,
-                        old,
-                        adv,
-                        m,
-                        clip_low,
-                        clip_high,
-                        actor.clip_ratio_c,
-                        actor.loss_agg_mode,
-                        is_w,
-                        **agg,
-                    )
+                    if self.user_policy_loss is not None:
+                        pg_loss, stats = user_policy_loss(
+                            self.user_policy_loss, logprobs, old, adv, m, actor.loss_agg_mode, actor, is_w
+                        )
+                    else:
+                        pg_loss, stats = actor_policy_loss(
+                            actor.policy_loss,
+                            logprobs,
+                            old,
+                            adv,
+                            m,
+                            clip_low,
+                            clip_high,
+                            actor.clip_ratio_c,
+                            actor.loss_agg_mode,
+                            is_w,
+                            **agg,
+                        )
                     loss = pg_loss
                     if actor.entropy_coeff:
                         loss = loss - actor.entropy_coeff * aggregate_loss(

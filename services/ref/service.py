@@ -19,7 +19,7 @@ class ReferenceModel:
         from rlbus.model_source import resolve_model_path
         from rlbus.modeling import load_causal_lm, load_tokenizer, pick_device
 
-        path = cfg.ref.model_path or resolve_model_path(cfg.model.path)
+        path = cfg.ref.model_path or resolve_model_path(cfg.model.path, cfg.model.use_shm)
         self.device = pick_device(cfg.trainer.device)
         self.model = load_causal_lm(path, cfg.model.dtype, self.device, trainable=False)
         self.pad_id = int(load_tokenizer(path).pad_token_id)

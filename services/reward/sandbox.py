@@ -2,46 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import multiprocessing as mp
 import resource
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 from typing import Any
+
+from rlbus.plugins import load_callable
 
 
 def resolve_callable(spec: str) -> Any:
-    """'pkg.module:function' or '/path/to/file.py:function' -> the function.
-
-    Raises ValueError naming the spec when it does not resolve (verl users pass a file path:
-    `custom_reward_function.path`)."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(
-            f"reward function {spec!r} must look like 'pkg.module:function' or 'file.py:function'"
-        )
-    try:
-        if target.endswith(".py") or "/" in target:
-            path = Path(target).expanduser()
-            if not path.is_file():
-                raise ImportError(f"no such file {path}")
-            module_spec = importlib.util.spec_from_file_location(f"rlbus_user_reward_{path.stem}", path)
-            if module_spec is None or module_spec.loader is None:
-                raise ImportError(f"cannot load {path} as a Python module")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-        fn = getattr(module, attr)
-    except Exception as exc:  # noqa: BLE001 - user code can raise anything at import; say which spec
-        raise ValueError(f"cannot load reward function {spec!r}: {type(exc).__name__}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
-    return fn
+    """'pkg.module:function' or '/path/to/file.py:function' -> the function (verl users pass a file path:
+    `custom_reward_function.path`); a ValueError naming the spec when it does not resolve."""
+    return load_callable(spec, "reward function")
 
 
 def uses_verl_signature(fn: Any) -> bool:

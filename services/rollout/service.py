@@ -265,7 +265,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.weight_transport import device_place
 
     cfg = ctx.cfg
-    model_path = resolve_model_path(cfg.model.path)
+    model_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
     engine = await asyncio.to_thread(build_engine, cfg, model_path)
     limits = await asyncio.to_thread(limits_for, cfg, model_path)
     replica = Replica(ctx, engine)

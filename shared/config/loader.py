@@ -71,7 +71,6 @@ VERL_INERT: dict[str, str] = {
     "critic.enable_gradient_checkpointing": "the critic shares the policy's model settings",
     "critic.strategy": "the critic is sharded like the policy",
     "critic.ulysses_sequence_parallel_size": "no sequence parallelism",
-    "model.use_shm": "models load from their directory (no /dev/shm copy)",
     "model.external_lib": "no external model library is imported",
     "data.return_raw_chat": "chat prompts are always rendered by the learner with the tokenizer's template",
     "data.num_workers": "data is read once at start; no loader workers",

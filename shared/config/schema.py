@@ -10,6 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
+def _builtin_or_user_code(value: str, builtins: tuple[str, ...], what: str) -> str:
+    """A built-in name, or user code by import path that loads now: a typo fails at start-up, not at step 1."""
+    from rlbus.plugins import is_import_path, load_callable
+
+    if is_import_path(value):
+        load_callable(value, what)  # ValueError -> pydantic names the key
+        return value
+    if value not in builtins:
+        raise ValueError(
+            f"unknown {what} {value!r}; expected one of {', '.join(builtins)} or 'pkg.module:function'"
+        )
+    return value
+
+
 class Section(BaseModel):
     """Unknown keys are errors: a typo must never be silently ignored."""
 
@@ -92,6 +106,9 @@ class ModelConfig(Section):
     lora_alpha: int = Field(16, ge=1)
     target_modules: list[str] | str = "all-linear"
     trust_remote_code: bool = False
+    use_shm: bool = Field(
+        False, description="copy the model directory to /dev/shm once per host and load it from there"
+    )
     use_fused_kernels: bool = Field(
         True,
         description="log-probs and entropies from chunks of the output projection (never full-vocabulary "
@@ -200,8 +217,20 @@ class KLControlConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "dr_grpo"] = "grpo"
+    adv_estimator: str = Field(
+        "grpo",
+        description="grpo, gae, rloo, reinforce_plus_plus, dr_grpo, or your own as 'pkg.module:function' "
+        "(verl's estimator signature; docs/plugins.md)",
+    )
     norm_adv_by_std_in_grpo: bool = True
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return _builtin_or_user_code(
+            value, ("grpo", "gae", "rloo", "reinforce_plus_plus", "dr_grpo"), "advantage estimator"
+        )
+
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     use_kl_in_reward: bool = False
@@ -250,11 +279,18 @@ class ActorConfig(Section):
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound")
-    policy_loss: Literal["vanilla", "dual_clip", "gspo"] = Field(
+    policy_loss: str = Field(
         "vanilla",
         description="vanilla = verl's: PPO clip with the dual clip (clip_ratio_c) on negative "
-        "advantages; dual_clip is the same; gspo = sequence-level ratio, seq-mean-token-mean aggregation",
+        "advantages; dual_clip is the same; gspo = sequence-level ratio, seq-mean-token-mean aggregation; "
+        "or your own as 'pkg.module:function' (verl's policy-loss signature; docs/plugins.md)",
     )
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, value: str) -> str:
+        return _builtin_or_user_code(value, ("vanilla", "dual_clip", "gspo"), "policy loss")
+
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"

@@ -8,6 +8,9 @@ Token tensors are ``[B, T]`` with ``response_mask`` 1 on response tokens and 0 o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "sequence_to_token_rewards",
+    "user_advantages",
 ]
 
 
@@ -313,3 +317,31 @@ def compute_advantages(
             raise ValueError("estimator 'gae' needs values from a critic")
         return gae_advantages(token_rewards, values, response_mask, gamma=gamma, lam=lam, **kw)
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+
+
+@torch.no_grad()
+def user_advantages(
+    fn: Callable[..., Any],
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An estimator named by import path (``algorithm.adv_estimator=pkg.mod:fn``), called as verl calls its
+    registered ones: ``fn(token_level_rewards=[B, T], response_mask=[B, T], index=<group id per row>,
+    config=<the algorithm section>)`` -> ``(advantages [B, T], returns [B, T])``."""
+    out = fn(
+        token_level_rewards=token_rewards,
+        response_mask=response_mask,
+        index=group_ids.cpu().numpy(),
+        config=config,
+    )
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"advantage estimator {fn.__name__} must return (advantages, returns)")
+    advantages, returns = (torch.as_tensor(t, dtype=torch.float32) for t in out)
+    for name, t in (("advantages", advantages), ("returns", returns)):
+        if t.shape != response_mask.shape:
+            raise ValueError(
+                f"advantage estimator {fn.__name__}: {name} {tuple(t.shape)} != {tuple(response_mask.shape)}"
+            )
+    return advantages * response_mask, returns * response_mask

@@ -8,6 +8,8 @@ padding. Losses are to be minimised. ``stats`` values are detached 0-dim tensors
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ __all__ = [
     "gspo_loss",
     "ppo_clip_loss",
     "truncated_is_weights",
+    "user_policy_loss",
 ]
 
 GSPO_LOSS_AGG_MODE = "seq-mean-token-mean"
@@ -319,3 +322,45 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(shifted, dim=-1)
     finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
     return torch.logsumexp(shifted, dim=-1) - (probs * finite).sum(-1)
+
+
+def user_policy_loss(
+    fn: Callable[..., Any],
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A policy loss named by import path (``actor.policy_loss=pkg.mod:fn``), called as verl calls its
+    registered ones: ``fn(old_log_prob=, log_prob=, advantages=, response_mask=, loss_agg_mode=,
+    config=<the actor section>, rollout_is_weights=)``. It may return the loss, ``(loss, {metric: value})``
+    or verl's older ``(loss, clipfrac, ppo_kl, clipfrac_lower)``; the metrics are reported under
+    ``actor/``."""
+    out = fn(
+        old_log_prob=old_logprobs,
+        log_prob=logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=is_weights,
+    )
+    stats: dict[str, torch.Tensor] = {}
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        loss, stats = out[0], {k: torch.as_tensor(v).detach().float() for k, v in out[1].items()}
+    elif isinstance(out, tuple) and len(out) == 4:
+        loss = out[0]
+        names = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+        stats = {k: torch.as_tensor(v).detach().float() for k, v in zip(names, out[1:], strict=True)}
+    else:
+        raise TypeError(f"policy loss {fn.__name__} returned {type(out).__name__}; expected a loss tensor")
+    if not (
+        isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad == logprobs.requires_grad
+    ):
+        raise TypeError(f"policy loss {fn.__name__} must return a scalar tensor that carries the gradient")
+    return loss, stats
