@@ -1,7 +1,9 @@
-"""Reward implementations, chosen by `reward.type`: task verifiers, a user function, an HTTP endpoint.
+"""Reward implementations, chosen by `reward.type`: task verifiers, a user function, an HTTP endpoint, a
+reward model.
 
-Every scorer maps (prompt, response, meta) -> (reward, correct). A scorer that raises is recorded and
-scores `reward.on_error_score`; it never takes the service down.
+Every scorer maps (prompt, response, meta) -> (reward, correct). A batched one (``batched`` true) maps a
+list of them in one call (`score_batch`): a reward model's forward pass, verl's batch reward manager. A
+scorer that raises is recorded and scores `reward.on_error_score`; it never takes the service down.
 """
 
 from __future__ import annotations
@@ -10,13 +12,18 @@ import json
 import urllib.request
 from typing import Any, Protocol
 
-from rlbus.config.schema import RewardConfig
+from rlbus.config.schema import RewardConfig, RewardModelConfig
+
+Item = tuple[str, str, dict[str, Any]]  # (prompt, response, meta)
 
 
 class Scorer(Protocol):
     name: str
+    batched: bool
 
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]: ...
+
+    def score_batch(self, items: list[Item]) -> list[tuple[float, bool]]: ...
 
 
 def _as_reward(value: Any) -> tuple[float, bool]:
@@ -36,6 +43,7 @@ class TaskScorer:
     """The verifier of each example's own task (meta['task']): addition, countdown, gsm8k, ..."""
 
     name = "task"
+    batched = False
 
     def __init__(self) -> None:
         self._tasks: dict[tuple[str, int], Any] = {}
@@ -53,13 +61,33 @@ class FunctionScorer:
     """A user function, run in a sandboxed child process: ours, fn(prompt, response, meta), or verl's
     compute_score(data_source, solution_str, ground_truth, extra_info) fed from the row's own fields."""
 
-    def __init__(self, spec: str, timeout_s: float, memory_mb: int, signature: str = "auto") -> None:
+    def __init__(
+        self, spec: str, timeout_s: float, memory_mb: int, signature: str = "auto", manager: str = "naive"
+    ) -> None:
         from rlbus.reward.sandbox import Sandbox, resolve_callable, uses_verl_signature
 
         fn = resolve_callable(spec)  # fail at start, with the spec in the message, not on the first item
         self.verl = signature == "verl" or (signature == "auto" and uses_verl_signature(fn))
+        self.batched = manager == "batch"
         self.name = f"function:{spec}"
         self._sandbox = Sandbox(spec, timeout_s, memory_mb)
+
+    def score_batch(self, items: list[Item]) -> list[tuple[float, bool]]:
+        """verl's batch manager: compute_score(data_sources, solution_strs, ground_truths, extra_infos) with
+        one list entry per response (ours: fn(prompts, responses, metas)); a list of scores back."""
+        if self.verl:
+            args: tuple[list[Any], ...] = (
+                [m.get("data_source") for _, _, m in items],
+                [r for _, r, _ in items],
+                [m.get("ground_truth", m.get("answer")) for _, _, m in items],
+                [m.get("extra_info") for _, _, m in items],
+            )
+        else:
+            args = ([p for p, _, _ in items], [r for _, r, _ in items], [m for _, _, m in items])
+        out = self._sandbox.call(*args)
+        if not isinstance(out, list | tuple) or len(out) != len(items):
+            raise TypeError(f"batch reward function returned {type(out).__name__}, not {len(items)} scores")
+        return [_as_reward(v) for v in out]
 
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
         if self.verl:
@@ -76,6 +104,8 @@ class FunctionScorer:
 class HTTPScorer:
     """POSTs {prompt, response, meta} as JSON; expects {"reward": x, "correct": b} back."""
 
+    batched = False
+
     def __init__(self, url: str, timeout_s: float) -> None:
         self.name, self.url, self.timeout_s = f"http:{url}", url, timeout_s
 
@@ -86,9 +116,76 @@ class HTTPScorer:
             return _as_reward(json.loads(resp.read()))
 
 
-def build_scorer(cfg: RewardConfig) -> Scorer:
+class RewardModelScorer:
+    """A sequence-classification model (one label) scores prompt + response as text, in micro-batches."""
+
+    batched = True
+
+    def __init__(self, cfg: RewardModelConfig, trust_remote_code: bool = False) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from rlbus.modeling import pick_device, torch_dtype
+
+        path = cfg.model_path
+        if path is None or not (path / "config.json").is_file():
+            raise ValueError(f"reward_model.model.path={path} is not a Hugging Face checkpoint dir")
+        self.name = f"model:{path.name}"
+        self.cfg = cfg
+        self.device = pick_device(cfg.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "right"
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=torch_dtype(cfg.dtype), trust_remote_code=trust_remote_code
+        ).to(self.device)
+        self.model.eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(
+                f"reward_model.model.path={path}: a reward model has one output label, this one has "
+                f"{self.model.config.num_labels}"
+            )
+        if self.model.config.pad_token_id is None:  # it finds each row's last real token by the pad id
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self._torch = torch
+
+    def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
+        return self.score_batch([(prompt, response, meta)])[0]
+
+    def score_batch(self, items: list[Item]) -> list[tuple[float, bool]]:
+        texts = [p + r for p, r, _ in items]
+        out: list[tuple[float, bool]] = []
+        step = self.cfg.micro_batch_size
+        for start in range(0, len(texts), step):
+            enc = self.tokenizer(
+                texts[start : start + step],
+                return_tensors="pt",
+                padding=True,
+                truncation=self.cfg.max_length is not None,
+                max_length=self.cfg.max_length,
+                add_special_tokens=False,
+            ).to(self.device)
+            with self._torch.no_grad():
+                logits = self.model(**enc).logits[:, 0].float().cpu().tolist()
+            out.extend((float(v), float(v) > self.cfg.correct_threshold) for v in logits)
+        return out
+
+
+def build_scorer(
+    cfg: RewardConfig, reward_model: RewardModelConfig | None = None, trust_remote_code: bool = False
+) -> Scorer:
     if cfg.type == "function":
-        return FunctionScorer(cfg.function or "", cfg.timeout_s, cfg.memory_limit_mb, cfg.signature)
+        return FunctionScorer(
+            cfg.function or "", cfg.timeout_s, cfg.memory_limit_mb, cfg.signature, cfg.manager
+        )
     if cfg.type == "http":
         return HTTPScorer(cfg.http_url or "", cfg.timeout_s)
+    if cfg.type == "model":
+        if reward_model is None or not reward_model.enable:
+            raise ValueError("reward.type=model needs reward_model.enable=true and reward_model.model.path")
+        try:
+            return RewardModelScorer(reward_model, trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"reward model cannot load: {exc}") from exc
     return TaskScorer()

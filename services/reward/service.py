@@ -12,21 +12,71 @@ from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
 FETCH_BATCH = 16
 
 
-def score_group(scorer, group: TrajectoryGroup, on_error: float) -> ScoredGroup:
-    rewards, correct, errors = [], [], []
-    for sample in group.samples:
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list[ScoredGroup]:
+    """Every sample of `groups`: one call for a batched scorer (a failure marks the whole call's samples),
+    else one call per sample (a failure marks that sample). Failed samples score `on_error`."""
+    items = [(g.work.prompt_text, s.text, dict(g.work.meta)) for g in groups for s in g.samples]
+    results: list[tuple[float, bool] | str] = []
+    if getattr(scorer, "batched", False) and items:
         try:
-            r, c = scorer.score(group.work.prompt_text, sample.text, dict(group.work.meta))
-            rewards.append(float(r))
-            correct.append(bool(c))
-            errors.append(None)
-        except Exception as exc:  # user code: anything can happen; record it and go on
-            rewards.append(on_error)
-            correct.append(False)
-            errors.append(f"{type(exc).__name__}: {exc}"[:500])
-    return ScoredGroup(
-        trajectories=group, rewards=rewards, correct=correct, reward_errors=errors, reward_impl=scorer.name
-    )
+            results = list(scorer.score_batch(items))
+        except Exception as exc:  # user code / model: anything can happen; record it and go on
+            results = [_error(exc)] * len(items)
+    else:
+        for prompt, response, meta in items:
+            try:
+                results.append(scorer.score(prompt, response, meta))
+            except Exception as exc:
+                results.append(_error(exc))
+    out, i = [], 0
+    for g in groups:
+        rewards, correct, errors = [], [], []
+        for res in results[i : i + len(g.samples)]:
+            failed = isinstance(res, str)
+            rewards.append(on_error if failed else float(res[0]))
+            correct.append(False if failed else bool(res[1]))
+            errors.append(res if failed else None)
+        i += len(g.samples)
+        out.append(
+            ScoredGroup(
+                trajectories=g,
+                rewards=rewards,
+                correct=correct,
+                reward_errors=errors,
+                reward_impl=scorer.name,
+            )
+        )
+    return out
+
+
+def score_group(scorer, group: TrajectoryGroup, on_error: float) -> ScoredGroup:
+    return score_groups(scorer, [group], on_error)[0]
+
+
+async def _publish_scored(
+    ctx: ServiceContext, delivery, scored: ScoredGroup, seconds: float, out_stage
+) -> None:
+    from rlbus.bus import Stage
+
+    n_err = sum(e is not None for e in scored.reward_errors)
+    if n_err:
+        ctx.log.warning(
+            "reward function raised",
+            errors=n_err,
+            first=next(e for e in scored.reward_errors if e),
+            prompt_id=scored.trajectories.work.prompt_id,
+        )
+    scored.trajectories.timings["reward_s"] = seconds
+    out = scored if out_stage == Stage.SCORED else ReadyGroup(scored=scored)
+    await ctx.bus.publish(out_stage, out, msg_id=f"{scored.trajectories.work.prompt_id}:scored")
+    await delivery.ack()
+    ctx.stats["groups"] += 1
+    ctx.stats["samples"] += len(scored.rewards)
+    ctx.stats["errors"] += n_err
 
 
 async def reward_loop(ctx: ServiceContext) -> int:
@@ -35,7 +85,7 @@ async def reward_loop(ctx: ServiceContext) -> int:
 
     cfg = ctx.cfg
     try:
-        scorer = build_scorer(cfg.reward)
+        scorer = build_scorer(cfg.reward, cfg.reward_model, cfg.model.trust_remote_code)
     except ValueError as exc:  # a reward that cannot load: one clear error, not a restart loop
         from rlbus.notices import post_notice
 
@@ -54,24 +104,19 @@ async def reward_loop(ctx: ServiceContext) -> int:
     ctx.stats.update(groups=0, samples=0, errors=0)
     while not ctx.stop.is_set():
         deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)
-        for d in deliveries:
+        # a batched scorer (reward model, batch manager) takes the whole fetch in one call; any other
+        # scores, publishes and acks one group at a time, so a slow function never holds the others' acks
+        chunks = (
+            [deliveries] if getattr(scorer, "batched", False) and deliveries else [[d] for d in deliveries]
+        )
+        for chunk in chunks:
             t0 = time.perf_counter()
-            scored = await asyncio.to_thread(score_group, scorer, d.message, cfg.reward.on_error_score)
-            n_err = sum(e is not None for e in scored.reward_errors)
-            if n_err:
-                ctx.log.warning(
-                    "reward function raised",
-                    errors=n_err,
-                    first=next(e for e in scored.reward_errors if e),
-                    prompt_id=scored.trajectories.work.prompt_id,
-                )
-            scored.trajectories.timings["reward_s"] = time.perf_counter() - t0
-            out = scored if out_stage == Stage.SCORED else ReadyGroup(scored=scored)
-            await ctx.bus.publish(out_stage, out, msg_id=f"{scored.trajectories.work.prompt_id}:scored")
-            await d.ack()
-            ctx.stats["groups"] += 1
-            ctx.stats["samples"] += len(scored.rewards)
-            ctx.stats["errors"] += n_err
+            scored_groups = await asyncio.to_thread(
+                score_groups, scorer, [d.message for d in chunk], cfg.reward.on_error_score
+            )
+            seconds = (time.perf_counter() - t0) / len(chunk)
+            for d, scored in zip(chunk, scored_groups, strict=True):
+                await _publish_scored(ctx, d, scored, seconds, out_stage)
         ctx.stats["dead_letters"] = float(getattr(consumer, "dead_letters", 0))
     if hasattr(scorer, "close"):
         scorer.close()

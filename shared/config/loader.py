@@ -20,6 +20,7 @@ VERL_PREFIXES: dict[str, str] = {
     "actor_rollout_ref.actor.": "actor.",
     "actor_rollout_ref.ref.": "ref.",
     "critic.model.path": "critic.model_path",
+    "reward_model.model.path": "reward_model.model_path",
     "critic.model.": "critic.",
     "algorithm.kl_ctrl.": "algorithm.kl_ctrl.",
     "actor.kl_loss_type": "actor.kl_loss_type",
@@ -40,6 +41,8 @@ VERL_ALIASES: dict[str, str] = {
     "ref.log_prob_micro_batch_size": "ref.micro_batch_size",
     "rollout.tensor_parallel_size": "rollout.tensor_model_parallel_size",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "reward_model.reward_manager": "reward.manager",
+    "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",
 }
 
 # verl keys accepted but without effect here (canonical key, or a prefix ending in '.') -> why. They are
@@ -80,7 +83,15 @@ VERL_INERT: dict[str, str] = {
     "trainer.val_generations_to_log_to_wandb": "validation generations are not logged",
     "trainer.use_legacy_worker_impl": "one worker implementation",
     "trainer.balance_batch": "batches are split by tokens when packing (model.use_remove_padding)",
-    "reward_model.": "reward models are not a reward implementation here yet: use reward.type=function or http",
+    "reward_model.model.input_tokenizer": "the reward model reads the prompt and response as text with its own tokenizer",
+    "reward_model.model.external_lib": "no external model library is imported",
+    "reward_model.model.trust_remote_code": "the reward model loads with model.trust_remote_code",
+    "reward_model.model.fsdp_config.": "the reward model is one unsharded copy in the reward service",
+    "reward_model.strategy": "the reward model is one unsharded copy in the reward service",
+    "reward_model.use_dynamic_bsz": "the reward model batches reward_model.micro_batch_size responses",
+    "reward_model.forward_max_token_len_per_gpu": "the reward model batches reward_model.micro_batch_size responses",
+    "reward_model.ulysses_sequence_parallel_size": "no sequence parallelism",
+    "reward_model.launch_reward_fn_async": "the reward service always scores beside generation",
 }
 
 _yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(

@@ -171,8 +171,15 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    type: Literal["task", "function", "http"] = Field(
-        "task", description="task = the built-in verifier of each row's data_source / task"
+    type: Literal["task", "function", "http", "model"] = Field(
+        "task",
+        description="task = the built-in verifier of each row's data_source / task; model = a reward "
+        "model (reward_model.enable)",
+    )
+    manager: Literal["naive", "batch"] = Field(
+        "naive",
+        description="verl's reward_model.reward_manager: naive calls the function once per response; "
+        "batch once per fetched batch with lists (data_sources, solution_strs, ground_truths, extra_infos)",
     )
     function: str | None = Field(
         None, description="'pkg.module:callable' or '/path/file.py:callable' when type=function"
@@ -193,6 +200,25 @@ class RewardConfig(Section):
             raise ValueError("reward.function is required when reward.type=function ('pkg.mod:fn')")
         if self.type == "http" and not self.http_url:
             raise ValueError("reward.http_url is required when reward.type=http")
+        return self
+
+
+class RewardModelConfig(Section):
+    """verl's `reward_model.*`: a sequence-classification model scores prompt + response (one logit);
+    with `enable` it is the reward (reward.type=model), as in verl where its score replaces the rule's."""
+
+    enable: bool = False
+    model_path: Path | None = Field(None, description="HF sequence-classification checkpoint (num_labels=1)")
+    micro_batch_size: int = Field(16, ge=1, description="responses per forward pass")
+    max_length: int | None = Field(None, ge=1, description="truncate prompt + response to this many tokens")
+    device: str = Field("auto", description="auto = the reward process's GPU if it has one, else CPU")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    correct_threshold: float = Field(0.0, description="a score above this counts as correct (metrics only)")
+
+    @model_validator(mode="after")
+    def _needs_model(self) -> RewardModelConfig:
+        if self.enable and self.model_path is None:
+            raise ValueError("reward_model.model.path is required when reward_model.enable=true")
         return self
 
 
@@ -466,6 +492,7 @@ class RlbusConfig(BaseSettings):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     custom_reward_function: CustomRewardFunctionConfig = Field(default_factory=CustomRewardFunctionConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
@@ -513,6 +540,18 @@ class RlbusConfig(BaseSettings):
                         "signature": "verl" if self.reward.signature == "auto" else self.reward.signature,
                     }
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _verl_reward_model(self) -> RlbusConfig:
+        if self.reward_model.enable and self.reward.type != "model":
+            if "type" in self.reward.model_fields_set or self.custom_reward_function.path is not None:
+                raise ValueError(
+                    f"reward_model.enable=true and reward.type={self.reward.type} both name the reward: keep one"
+                )
+            self.__dict__["reward"] = self.reward.model_copy(update={"type": "model"})
+        if self.reward.type == "model" and not self.reward_model.enable:
+            raise ValueError("reward.type=model needs reward_model.enable=true and reward_model.model.path")
         return self
 
     @model_validator(mode="after")

@@ -64,6 +64,14 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
             "actor.use_dynamic_bsz has no effect without model.use_remove_padding=true (token-bounded "
             "micro-batches need packing)"
         )
+    rm_keys = sorted(k for k in cfg.reward_model.model_fields_set if k != "enable")
+    if rm_keys and not cfg.reward_model.enable:
+        out.append(
+            f"reward_model.{rm_keys[0]} (and the other reward_model.* keys) have no effect without "
+            "reward_model.enable=true"
+        )
+    if cfg.reward.manager == "batch" and cfg.reward.type != "function":
+        out.append(f"reward.manager=batch has no effect with reward.type={cfg.reward.type} (a function only)")
     if trainer.nnodes > 1 or trainer.n_gpus_per_node > 1:
         out.append(
             f"trainer.nnodes={trainer.nnodes} / trainer.n_gpus_per_node={trainer.n_gpus_per_node}: "
