@@ -14,18 +14,25 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
-    """The one line a person watches: step, reward, accuracy, KL, throughput, policy lag."""
+    """The one line a person watches. First the fields of the users' guide (Loss, PPO KL between the
+    updated and the behaving policy, mean Reward, Throughput in samples/s), then ours: accuracy,
+    held-out accuracy, KL to the reference, response length, tokens/s, policy lag, dropped work."""
 
-    def f(key: str, fmt: str = "{:.3f}") -> str:
-        v = m.get(key)
-        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    def f(*keys: str, fmt: str = "{:.3f}") -> str:
+        for key in keys:
+            v = m.get(key)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                return fmt.format(v)
+        return "-"
 
     total_s = f"/{total}" if total else ""
     return (
-        f"step {step}{total_s} | reward {f('reward/mean')} | acc {f('reward/accuracy')} | "
-        f"val {f('val/accuracy')} | kl {f('actor/kl', '{:.4f}')} | len {f('response/length_mean', '{:.1f}')} | "
-        f"tok/s {f('perf/tokens_per_s', '{:.0f}')} | lag {f('staleness/mean', '{:.2f}')} | "
-        f"dropped {f('staleness/dropped_total', '{:.0f}')}"
+        f"step {step}{total_s} | Loss {f('actor/loss', fmt='{:.4f}')} | "
+        f"PPO KL {f('actor/approx_kl', 'actor/ppo_kl', fmt='{:.4f}')} | Reward {f('reward/mean')} | "
+        f"Throughput {f('perf/samples_per_s', fmt='{:.1f}')} samples/s | acc {f('reward/accuracy')} | "
+        f"val {f('val/accuracy')} | kl {f('actor/kl', fmt='{:.4f}')} | "
+        f"len {f('response/length_mean', fmt='{:.1f}')} | tok/s {f('perf/tokens_per_s', fmt='{:.0f}')} | "
+        f"lag {f('staleness/mean', fmt='{:.2f}')} | dropped {f('staleness/dropped_total', fmt='{:.0f}')}"
     )
 
 

@@ -273,3 +273,24 @@ def test_plot_draws_kl_and_val_points_and_skips_a_torn_last_line(tmp_path: Path)
     [png] = plot_run(tmp_path, tmp_path / "figs")
     assert png == tmp_path / "figs" / "curves.png"
     _assert_png(png)
+
+
+def test_progress_line_leads_with_the_guides_fields() -> None:
+    from rlbus.metrics_log import progress_line
+
+    line = progress_line(
+        3,
+        150,
+        {
+            "actor/loss": -0.01234,
+            "actor/approx_kl": 0.00042,
+            "reward/mean": 0.5,
+            "perf/samples_per_s": 85.25,
+            "reward/accuracy": 0.5,
+            "perf/tokens_per_s": 2345.0,
+        },
+    )
+    assert line.startswith(
+        "step 3/150 | Loss -0.0123 | PPO KL 0.0004 | Reward 0.500 | Throughput 85.2 samples/s | acc 0.500 |"
+    )
+    assert "val - |" in line and "tok/s 2345" in line

@@ -498,6 +498,7 @@ class Learner:
                     "timing/step_s": t_pushed - t_step,
                     "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
                     "perf/step_tokens": float(tokens),
+                    "perf/samples_per_s": batch.size / max(t_pushed - t_step, 1e-9),
                     "policy/version": float(self.version),
                     "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
                     "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
