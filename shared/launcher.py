@@ -34,6 +34,7 @@ class ServiceProcess:
     args: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    command: list[str] | None = None  # what runs instead of `python -m rlbus.cli <service>` (torchrun)
     proc: subprocess.Popen | None = None
 
     def start(self) -> ServiceProcess:
@@ -41,7 +42,7 @@ class ServiceProcess:
         out = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlbus.cli", self.service, *self.args],
+            [*(self.command or [sys.executable, "-m", "rlbus.cli", self.service]), *self.args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -73,17 +74,54 @@ class ServiceProcess:
             self.proc.wait(5)
 
 
-def service_processes(cfg: RlbusConfig, config_path: Path, run_dir: Path) -> list[ServiceProcess]:
+def learner_command(cfg: RlbusConfig) -> list[str] | None:
+    """`trainer.n_gpus_per_node` > 1: the learner is a torchrun job of that many ranks on this host
+    (FSDP2 over them; rank 0 talks to the bus). None: one plain learner process."""
+    ranks = cfg.trainer.n_gpus_per_node
+    if ranks <= 1:
+        return None
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "rlbus.learner.main",
+    ]
+
+
+def rollout_gpu(replica: int, learner_gpus: int, visible: int) -> int | None:
+    """The GPU of rollout replica `replica` when the learner holds GPUs 0..learner_gpus-1 of `visible`:
+    the GPUs after the learner's, round robin; with none left, the learner's own, round robin (weights
+    then go by CUDA IPC to the replicas on rank 0's GPU and by NCCL to the others). None: no GPU here."""
+    if visible == 0:
+        return None
+    free = visible - learner_gpus
+    return learner_gpus + replica % free if free > 0 else replica % max(1, min(learner_gpus, visible))
+
+
+def service_processes(
+    cfg: RlbusConfig, config_path: Path, run_dir: Path, gpus: int = 0
+) -> list[ServiceProcess]:
     """Consumers first (reward, ref, rollout replicas), the learner last: it starts dispatching at once."""
     base = ["--config", str(config_path)]
     logs = run_dir / "logs"
     procs = [ServiceProcess("reward", "reward", [*base, "--instance-id", "reward-0"], logs / "reward.log")]
     if cfg.needs_ref:
         procs.append(ServiceProcess("ref", "ref", [*base, "--instance-id", "ref-0"], logs / "ref.log"))
+    learner_gpus = cfg.trainer.n_gpus_per_node
     for i in range(cfg.rollout.replicas):
         rid = f"rollout-{i}"
-        procs.append(ServiceProcess(rid, "rollout", [*base, "--replica-id", rid], logs / f"{rid}.log"))
-    procs.append(ServiceProcess("learner", "learner", base, logs / "learner.log"))
+        proc = ServiceProcess(rid, "rollout", [*base, "--replica-id", rid], logs / f"{rid}.log")
+        gpu = rollout_gpu(i, learner_gpus, gpus) if learner_gpus > 1 else None
+        if gpu is not None and cfg.rollout.device in ("auto", "cuda"):
+            proc.args += [f"rollout.device=cuda:{gpu}"]
+        procs.append(proc)
+    procs.append(
+        ServiceProcess("learner", "learner", base, logs / "learner.log", command=learner_command(cfg))
+    )
     return procs
 
 
@@ -155,7 +193,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     for warning in inert_key_warnings(cfg):
         print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
     run_dir, config_path, server = prepare_run(cfg, fresh)
-    procs = service_processes(cfg, config_path, run_dir)
+    procs = service_processes(cfg, config_path, run_dir, gpus)
     for p in procs:
         p.env.update(gpu_env(gpus))
     stopping = False

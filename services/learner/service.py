@@ -499,6 +499,7 @@ class Learner:
                     "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
                     "perf/step_tokens": float(tokens),
                     "perf/samples_per_s": batch.size / max(t_pushed - t_step, 1e-9),
+                    "learner/ranks": float(self.trainer.par.world_size),
                     "policy/version": float(self.version),
                     "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
                     "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),

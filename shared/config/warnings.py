@@ -72,10 +72,10 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
         )
     if cfg.reward.manager == "batch" and cfg.reward.type != "function":
         out.append(f"reward.manager=batch has no effect with reward.type={cfg.reward.type} (a function only)")
-    if trainer.nnodes > 1 or trainer.n_gpus_per_node > 1:
+    if trainer.nnodes > 1:
         out.append(
-            f"trainer.nnodes={trainer.nnodes} / trainer.n_gpus_per_node={trainer.n_gpus_per_node}: "
-            "`rlbus up` starts one learner process; for more GPUs start the learner with torchrun "
-            "(README: Scale) or use slurm/ or k8s/"
+            f"trainer.nnodes={trainer.nnodes}: `rlbus up` runs on this host only (its learner is a "
+            f"torchrun job of trainer.n_gpus_per_node={trainer.n_gpus_per_node} ranks); for several nodes "
+            "use slurm/rlbus.sbatch or k8s/"
         )
     return out
