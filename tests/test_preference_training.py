@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from rlbus.config import load_config
 from rlbus.learner import preference_main as pm
@@ -265,3 +266,51 @@ def test_ref_service_gives_the_local_reference_logprobs(tmp_path: Path, nats_url
     for r, loc, (_, comp) in zip(remote, local, seqs, strict=True):
         assert r.shape == (len(comp),)
         torch.testing.assert_close(torch.from_numpy(r), torch.from_numpy(loc), atol=1e-5, rtol=0)
+
+
+TRL_DPO_YAML = """\
+model_name_or_path: {model}
+dataset_name: {data}
+learning_rate: 4.0e-5
+num_train_epochs: 1
+max_steps: 3
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 4
+gradient_checkpointing: false
+logging_steps: 1
+eval_strategy: steps
+eval_steps: 3
+beta: 0.1
+loss_type: sigmoid
+max_length: 64
+output_dir: {out}
+report_to: none
+no_remove_unused_columns: true
+"""
+
+
+def test_trl_dpo_yaml_runs_through_scripts_train_dpo(tmp_path: Path) -> None:
+    """TRL's `trl dpo --config` YAML, as its docs write it (local model and data: nothing downloads)."""
+    from rlbus.config import load_config
+    from rlbus.config.trl_dpo import trl_dpo_overrides
+
+    data = tmp_path / "prefs.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(10, 30)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    text = TRL_DPO_YAML.format(model=default_model_path(), data=data, out=tmp_path / "runs" / "trl-dpo")
+    (tmp_path / "dpo.yaml").write_text(text)
+    overrides, inert = trl_dpo_overrides(yaml.safe_load(text))
+    cfg = load_config(None, overrides)
+    p = cfg.preference
+    assert (p.algorithm, p.micro_batch_size, p.batch_size, p.max_steps, p.lr) == ("dpo", 2, 8, 3, 4e-5)
+    assert p.train_files == [data] and cfg.run.id == "trl-dpo" and cfg.trainer.test_freq == 3
+    assert set(inert) == {"eval_strategy", "report_to", "no_remove_unused_columns"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_dpo.py"), "--config", str(tmp_path / "dpo.yaml")]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([*cmd, "trainer.device=cpu"], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "report_to has no effect here" in proc.stderr
+    run_dir = tmp_path / "runs" / "trl-dpo"
+    assert json.loads((run_dir / "preference_summary.json").read_text())["steps"] == 3
+    with pytest.raises(ValueError, match="loss_type"):
+        trl_dpo_overrides({"loss_type": "robust"})
