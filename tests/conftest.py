@@ -84,3 +84,18 @@ def private_nats(tmp_path: Path) -> Iterator[LocalNatsServer]:
         yield server
     finally:
         server.stop()
+
+
+_SUMMARY = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def summary_line(request: pytest.FixtureRequest):
+    """Adds a line to the end of the pytest run's output (measured figures a report should carry, such
+    as the fault-injection run's wall-time ratio), shown even when the test's own output is captured."""
+    return request.config.stash.setdefault(_SUMMARY, []).append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for line in config.stash.get(_SUMMARY, []):
+        terminalreporter.write_line(line)

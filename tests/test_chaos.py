@@ -142,7 +142,7 @@ def _inject(what: str, up_pid: int, server: LocalNatsServer, cfg: RlbusConfig, r
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path) -> None:
+def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_line) -> None:
     results = {}
     for name, plan in (("calm", []), ("chaos", _schedule(random.Random(SEED)))):
         with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
@@ -180,6 +180,8 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path) -> None:
         ]
     )
     print(report)
+    for line in ["fault-injection run (tests/test_chaos.py):", *report.splitlines()]:
+        summary_line(line)
     for t, step, what in chaos.events:  # each fault's own cost: the stall that follows it
         gap = chaos.gap_after(t)
         budget = stall_budget + (calm.startup_s if what == "SIGKILL learner" else 0.0)
