@@ -1,7 +1,7 @@
 """The learner at scale on CPU: FSDP2 over 2 gloo ranks == 1 process, packing == padding, LoRA pushes merged weights.
 
 The 2-rank runs use the real protocol: rank 0 builds PolicyTrainer (INIT), calls train_step (TRAIN) and
-named_weights (GATHER), then stops the worker (STOP); rank 1 only runs `parallel.worker_main`.
+named_weights (GATHER), then stops the worker (STOP); rank 1 only runs `worker.worker_main`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from helpers_tiny import build_tiny_model
 
 from rlbus.config import RlbusConfig, load_config
-from rlbus.learner import parallel
+from rlbus.learner import parallel, worker
 from rlbus.learner.batch import TrainBatch
 from rlbus.modeling import pad_batch
 
@@ -141,7 +141,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str
                 ctx.stop_workers()
                 out.put((name, _dumps(result)))
             else:
-                assert parallel.worker_main(cfg) == 0
+                assert worker.worker_main(cfg) == 0
         out.put((f"done{rank}", None))
     except BaseException:  # noqa: BLE001 - reported to the test
         out.put((f"error{rank}", traceback.format_exc()))

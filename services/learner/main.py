@@ -12,7 +12,7 @@ from rlbus.config import RlbusConfig
 def run_learner(cfg: RlbusConfig) -> int:
     """One learner process. Under torchrun, rank 0 runs the service and leads the other ranks' steps
     (services/learner/parallel.py); every other rank only follows them and never talks to the bus."""
-    from rlbus.learner import parallel
+    from rlbus.learner import parallel, worker
     from rlbus.learner.service import learner_loop
     from rlbus.service import run_service
 
@@ -23,7 +23,7 @@ def run_learner(cfg: RlbusConfig) -> int:
     ctx = parallel.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
     if not ctx.is_leader:
         try:
-            rc = parallel.worker_main(cfg)
+            rc = worker.worker_main(cfg)
         finally:
             parallel.shutdown()
         # A worker has nothing left to write; interpreter teardown could only race torch's C++ threads

@@ -17,7 +17,7 @@ the degenerate case and runs none of the distributed code):
   ``STOP``      none                                    ``run_learner`` when the service returns
   ============  =====================================  ==============================================
 
-* **rank k > 0** runs :func:`worker_main`: ``receive op -> run it`` until ``STOP``. It never touches NATS
+* **rank k > 0** runs :func:`rlbus.learner.worker.worker_main`: ``receive op -> run it`` until ``STOP``. It never touches NATS
   or a replica; it trains on its share of every batch and takes part in every all-gather of the weights.
 
 An op is an int64 header broadcast from rank 0 on the CPU (gloo) side of the default group, then its
@@ -62,11 +62,11 @@ if TYPE_CHECKING:
     from rlbus.learner.batch import TrainBatch
 
 OP_INIT, OP_TRAIN, OP_GATHER, OP_CALL, OP_STOP = 1, 2, 3, 4, 5
-_OP_NAMES = {OP_INIT: "INIT", OP_TRAIN: "TRAIN", OP_GATHER: "GATHER", OP_CALL: "CALL", OP_STOP: "STOP"}
+OP_NAMES = {OP_INIT: "INIT", OP_TRAIN: "TRAIN", OP_GATHER: "GATHER", OP_CALL: "CALL", OP_STOP: "STOP"}
 _MAGIC = 0x524C4255_534C4541  # "RLBUSLEA"
 DEFAULT_TIMEOUT_S = 3600.0
 
-_WORKER_OPS: dict[str, Callable[..., Any]] = {}
+WORKER_OPS: dict[str, Callable[..., Any]] = {}
 log = get_logger("rlbus.learner.parallel")
 
 
@@ -77,7 +77,7 @@ def register_worker_op(name: str, fn: Callable[..., Any]) -> None:
     ``torch.distributed.checkpoint``): rank 0 calls ``lead_call`` and then does its own part; every worker
     runs ``fn`` with the same kwargs at the same point of the op sequence.
     """
-    _WORKER_OPS[name] = fn
+    WORKER_OPS[name] = fn
 
 
 # ------------------------------------------------------------------------------------------ process group
@@ -120,7 +120,7 @@ class DistContext:
         header = torch.zeros(4, dtype=torch.int64)
         dist.broadcast(header, src=0)
         magic, op, nbytes, _ = (int(x) for x in header.tolist())
-        if magic != _MAGIC or op not in _OP_NAMES:
+        if magic != _MAGIC or op not in OP_NAMES:
             raise RuntimeError(
                 f"rank {self.rank}: bad op header {header.tolist()}: the ranks are out of step"
             )
@@ -340,63 +340,6 @@ def _batch_parts(batch: TrainBatch) -> tuple[list[torch.Tensor], dict]:
         else:
             values[f.name] = v
     return tensors, {"tensors": described, "values": values}
-
-
-def _recv_batch(meta: dict) -> TrainBatch:
-    from rlbus.learner.batch import TrainBatch
-
-    kwargs: dict[str, Any] = dict(meta["values"])
-    for name, dtype, shape in meta["tensors"]:
-        t = torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.broadcast(t, src=0)
-        kwargs[name] = t
-    return TrainBatch(**kwargs)
-
-
-def _builtin_op(name: str) -> Callable[..., Any] | None:
-    """The learner loop's collective calls (rank 0 leads them in service.py; every rank runs the function)."""
-    if name in ("save_checkpoint", "load_checkpoint"):
-        from rlbus.learner import checkpoint
-
-        fn = getattr(checkpoint, name)
-        return lambda trainer, path: fn(Path(path), trainer)
-    if name == "save_hf":
-        from rlbus.learner.export import save_hf
-
-        return lambda trainer, path: save_hf(trainer.model, None, Path(path))  # rank 0 writes the files
-    return None
-
-
-def worker_main(cfg: RlbusConfig) -> int:
-    """Ranks > 0: follow rank 0's ops until STOP. Returns the exit code."""
-    ctx = context()
-    torch.manual_seed(cfg.trainer.seed)
-    trainer = None
-    while True:
-        op, payload = ctx._recv_op()
-        if op == OP_STOP:
-            ctx.exit_together()
-            return 0
-        if op == OP_INIT:
-            from rlbus.learner.trainer import PolicyTrainer
-
-            assert payload is not None
-            trainer = PolicyTrainer(cfg, Path(payload["model_path"]), ctx.device, payload["total_steps"])
-            continue
-        if trainer is None:
-            raise RuntimeError(f"rank {ctx.rank}: {_OP_NAMES[op]} before INIT")
-        if op == OP_TRAIN:
-            assert payload is not None
-            trainer.train_step(_recv_batch(payload))
-        elif op == OP_GATHER:
-            for _ in trainer.named_weights():
-                pass
-        elif op == OP_CALL:
-            assert payload is not None
-            fn = _WORKER_OPS.get(payload["name"]) or _builtin_op(payload["name"])
-            if fn is None:
-                raise RuntimeError(f"rank {ctx.rank}: no worker op {payload['name']!r} is registered")
-            fn(trainer, **payload["kwargs"])
 
 
 # ------------------------------------------------------------------------------------------ the model

@@ -20,6 +20,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from rlbus import codec
 from rlbus.bus.connect import log
+from rlbus.bus.retry import with_retry
 from rlbus.bus.subjects import RunNames
 from rlbus.messages import Heartbeat, decode, encode
 
@@ -32,8 +33,6 @@ T = TypeVar("T")
 
 
 async def _retry(what: str, fn: Callable[[], Awaitable[T]]) -> T:
-    from rlbus.bus.transport import with_retry  # transport imports this module
-
     return await with_retry(what, fn)
 
 

@@ -15,35 +15,28 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Generator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import (
-    ConnectionReconnectingError,
-    NoRespondersError,
-    OutboundBufferLimitError,
-    StaleConnectionError,
-)
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import (
     BadRequestError,
     BucketNotFoundError,
-    NoStreamResponseError,
     NotFoundError,
     ObjectNotFoundError,
-    ServiceUnavailableError,
 )
 from nats.js.object_store import ObjectStore
 
 from rlbus import codec
 from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
+from rlbus.bus.retry import PUBLISH_DEADLINE_S, RETRYABLE, with_retry
 from rlbus.bus.state import RunState
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage
 from rlbus.codec import CodecError
@@ -56,8 +49,6 @@ DUPLICATE_WINDOW_S = 120.0
 DLQ_MAX_MSGS = 100_000
 DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 MAX_REASON_CHARS = 1000
-PUBLISH_DEADLINE_S = 30.0
-"""How long a publish (or ack) keeps retrying through a reconnect before it raises."""
 ACK_TIMEOUT_S = 2.0
 """Wait for an ack's answer; an unanswered ack is then checked against the stream, so this can be short."""
 ACK_IGNORED_TRIES = 2
@@ -107,39 +98,6 @@ class DeadLetter(NamedTuple):
 
 
 T = TypeVar("T")
-
-# Errors after which the same request may simply be sent again: the server was away or not ready.
-# A request written to a dying socket is lost silently and surfaces as a timeout.
-RETRYABLE = (
-    NatsTimeoutError,
-    asyncio.TimeoutError,
-    NoRespondersError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-    ConnectionReconnectingError,
-    OutboundBufferLimitError,
-    StaleConnectionError,
-)
-
-
-async def with_retry(what: str, fn: Callable[[], Awaitable[T]], deadline_s: float = PUBLISH_DEADLINE_S) -> T:
-    """Run `fn` until it succeeds, retrying RETRYABLE errors with backoff for up to `deadline_s`.
-
-    Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated.
-    """
-    deadline = time.monotonic() + deadline_s
-    delay = 0.1
-    while True:
-        try:
-            return await fn()
-        except RETRYABLE as exc:
-            if time.monotonic() + delay >= deadline:
-                raise
-            log.warning(
-                "bus.retry", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=round(delay, 2)
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
 
 def _one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextvars
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings
 
 from rlbus.config.schema import RlbusConfig
+from rlbus.config.yaml_layer import yaml_layer
 
 # verl prefixes -> ours. Longest match wins; keys not listed pass through unchanged.
 VERL_PREFIXES: dict[str, str] = {
@@ -94,23 +94,9 @@ VERL_INERT: dict[str, str] = {
     "reward_model.launch_reward_fn_async": "the reward service always scores beside generation",
 }
 
-_yaml_layer: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "rlbus_yaml_layer", default=None
-)
-
 
 class ConfigError(ValueError):
     """A config problem, already phrased for a person: which key, what was wrong, what is allowed."""
-
-
-class YamlLayerSource(PydanticBaseSettingsSource):
-    """The weakest source: the (already alias-mapped) YAML file of the current load."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return (_yaml_layer.get() or {}).get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_layer.get() or {})
 
 
 def canonical_key(key: str) -> str:
@@ -232,7 +218,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping at top level")
         file_tree = _canonical_tree(flatten(raw), inert)
     cli_tree = _canonical_tree(parse_overrides(overrides or []), inert)
-    token = _yaml_layer.set(file_tree)
+    token = yaml_layer.set(file_tree)
     try:
         config = RlbusConfig(**cli_tree)
         config.inert_keys.update(inert)
@@ -240,7 +226,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as exc:
         raise ConfigError(describe(exc)) from None
     finally:
-        _yaml_layer.reset(token)
+        yaml_layer.reset(token)
 
 
 def dump_config(config: RlbusConfig) -> str:

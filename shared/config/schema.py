@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from rlbus.config.yaml_layer import YamlLayerSource
+
 
 def _builtin_or_user_code(value: str, builtins: tuple[str, ...], what: str) -> str:
     """A built-in name, or user code by import path that loads now: a typo fails at start-up, not at step 1."""
@@ -585,6 +587,4 @@ class RlbusConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        from rlbus.config.loader import YamlLayerSource
-
         return init_settings, env_settings, YamlLayerSource(settings_cls)

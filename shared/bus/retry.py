@@ -1,0 +1,57 @@
+"""Retrying idempotent NATS requests through a server restart or a reconnect (publishes carry a
+Nats-Msg-Id, acks can be repeated), with backoff up to a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from nats.errors import (
+    ConnectionReconnectingError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+
+from rlbus.bus.connect import log
+
+PUBLISH_DEADLINE_S = 30.0
+"""How long a publish (or ack) keeps retrying through a reconnect before it raises."""
+T = TypeVar("T")
+
+# Errors after which the same request may simply be sent again: the server was away or not ready.
+# A request written to a dying socket is lost silently and surfaces as a timeout.
+RETRYABLE = (
+    NatsTimeoutError,
+    asyncio.TimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    ConnectionReconnectingError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
+
+
+async def with_retry(what: str, fn: Callable[[], Awaitable[T]], deadline_s: float = PUBLISH_DEADLINE_S) -> T:
+    """Run `fn` until it succeeds, retrying RETRYABLE errors with backoff for up to `deadline_s`.
+
+    Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated.
+    """
+    deadline = time.monotonic() + deadline_s
+    delay = 0.1
+    while True:
+        try:
+            return await fn()
+        except RETRYABLE as exc:
+            if time.monotonic() + delay >= deadline:
+                raise
+            log.warning(
+                "bus.retry", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=round(delay, 2)
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
