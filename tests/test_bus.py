@@ -447,7 +447,10 @@ async def test_run_state_versions_announcements_heartbeats_facts(bus: Bus, run_i
                 return
 
     task = asyncio.create_task(watch())  # ends by itself after two values
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while not seen:  # the watcher is live once it has the current value
+        assert time.monotonic() < deadline, "watch_announcements gave no current value"
+        await asyncio.sleep(0.01)
     newer = ann.model_copy(update={"version": 5})
     await state.put_announcement(encode(newer))
     await asyncio.wait_for(task, 5)

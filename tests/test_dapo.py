@@ -3,22 +3,7 @@
 import pytest
 import torch
 
-from rlbus.learner.algorithms import groups_with_reward_variance, overlong_penalty
-
-
-def test_groups_with_reward_variance():
-    # g0 {1, 1}: all equal -> drop; g1 {0, 1}: keep; g2 {0.5}, g3 {0.5}: singletons -> drop.
-    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
-    groups = torch.tensor([0, 0, 1, 1, 2, 3])
-    assert groups_with_reward_variance(rewards, groups).tolist() == [False, False, True, True, False, False]
-
-
-def test_groups_with_reward_variance_non_contiguous_and_int_rewards():
-    # g5 {1, 1} drop, g7 {0, 2} keep, interleaved.
-    keep = groups_with_reward_variance(torch.tensor([1, 0, 1, 2]), torch.tensor([5, 7, 5, 7]))
-    assert keep.dtype == torch.bool
-    assert keep.tolist() == [False, True, False, True]
-    assert groups_with_reward_variance(torch.zeros(0), torch.zeros(0, dtype=torch.long)).numel() == 0
+from rlbus.learner.algorithms import overlong_penalty
 
 
 def test_overlong_penalty_soft_ramp():

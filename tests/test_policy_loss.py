@@ -7,7 +7,6 @@ import torch
 
 from rlbus.learner.algorithms import (
     aggregate_loss,
-    entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
     truncated_is_weights,
@@ -200,18 +199,3 @@ def test_truncated_is_weights_huge_log_ratio_does_not_overflow():
 
 
 # ---------------------------------------------------------------- entropy
-
-
-def test_entropy_from_logits():
-    # Uniform over 4: ln 4 = 1.38629436. Probs [0.25, 0.75]: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.56233514.
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, log(3.0), float("-inf"), float("-inf")]]])
-    close(entropy_from_logits(logits), [[1.38629436, 0.56233514]])
-    # Shift invariance at large magnitude, and a near one-hot distribution has entropy ~0 (no NaN).
-    close(entropy_from_logits(logits[:, :1] + 1e4), [[1.38629436]])
-    close(entropy_from_logits(torch.tensor([[[1e4, 0.0, -1e4]]])), [[0.0]])
-
-
-def test_entropy_gradient_is_finite_with_masked_vocab():
-    logits = torch.tensor([[[0.0, 1.0, float("-inf")]]], requires_grad=True)
-    entropy_from_logits(logits).sum().backward()
-    assert torch.isfinite(logits.grad).all()

@@ -111,11 +111,16 @@ def test_status_and_plot_on_a_real_run(nats_url: str, run_id: str, tmp_path: Pat
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(5.5)
+        header = f"run {run_id}  |"
+        drawn: list[str] = []
+        while sum(header in line for line in drawn) < 2:  # two redraws seen (the test's timeout bounds it)
+            line = watch.stdout.readline() if watch.stdout else ""
+            assert line, f"status --watch stopped drawing: {''.join(drawn)}"
+            drawn.append(line)
         watch.send_signal(signal.SIGINT)
-        w_out, w_err = watch.communicate(timeout=20)
+        rest, w_err = watch.communicate(timeout=20)
         assert watch.returncode == 0, w_err
-        assert w_out.count(f"run {run_id}  |") >= 2, w_out
+        assert "".join(drawn + [rest]).count(header) >= 2
         assert run.learner.alive, run.logs("learner")
     # Run.__exit__ stopped every service gracefully (SIGTERM): each removed its heartbeat on the way out.
     assert run.learner.proc is not None and run.learner.proc.returncode == 130, run.logs("learner")

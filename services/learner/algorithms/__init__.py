@@ -16,12 +16,11 @@ from .advantages import (
     rloo_advantages,
     sequence_to_token_rewards,
 )
-from .dapo import groups_with_reward_variance, overlong_penalty
+from .dapo import overlong_penalty
 from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, build_kl_controller, kl_estimate
 from .policy_loss import (
     LOSS_AGG_MODES,
     aggregate_loss,
-    entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
     truncated_is_weights,
@@ -42,9 +41,7 @@ __all__ = [
     "compute_advantages",
     "dpo_loss",
     "dr_grpo_advantages",
-    "entropy_from_logits",
     "gae_advantages",
-    "groups_with_reward_variance",
     "grpo_advantages",
     "gspo_loss",
     "kl_estimate",

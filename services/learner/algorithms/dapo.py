@@ -1,33 +1,11 @@
-"""DAPO pieces that act on rewards: dynamic-sampling group filter and soft overlong punishment."""
+"""DAPO's soft overlong punishment (its dynamic-sampling filter drops equal-reward groups as they arrive:
+services/learner/service.py)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["groups_with_reward_variance", "overlong_penalty"]
-
-
-def groups_with_reward_variance(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Which samples belong to a group whose rewards are not all equal (DAPO dynamic sampling).
-
-    A group with equal rewards (all solved, all failed, or a single sample) has zero group-relative
-    advantage and gives no gradient, so it is filtered out and more prompts are sampled.
-
-    Args:
-        rewards: [B].
-        group_ids: [B] long; groups need not be contiguous.
-
-    Returns:
-        [B] bool, True for samples to keep.
-    """
-    if rewards.numel() == 0:
-        return torch.zeros(0, dtype=torch.bool, device=rewards.device)
-    rewards = rewards.detach() if rewards.is_floating_point() else rewards.detach().float()
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max().item()) + 1
-    g_max = rewards.new_full((n_groups,), float("-inf")).scatter_reduce(0, inverse, rewards, reduce="amax")
-    g_min = rewards.new_full((n_groups,), float("inf")).scatter_reduce(0, inverse, rewards, reduce="amin")
-    return (g_max > g_min)[inverse]
+__all__ = ["overlong_penalty"]
 
 
 def overlong_penalty(

@@ -16,7 +16,6 @@ import torch
 __all__ = [
     "LOSS_AGG_MODES",
     "aggregate_loss",
-    "entropy_from_logits",
     "gspo_loss",
     "ppo_clip_loss",
     "truncated_is_weights",
@@ -304,24 +303,6 @@ def truncated_is_weights(
         raise ValueError(f"unknown IS level {level!r}; expected 'token' or 'sequence'")
     # min(exp(x), cap) == exp(min(x, log cap)), which cannot overflow.
     return torch.exp(log_ratio.clamp(max=math.log(cap))) * mask
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax over the last dim, ``logsumexp(z) - sum(softmax(z) * z)`` (stable for large z).
-
-    Logits of ``-inf`` (masked vocabulary entries) contribute 0, in value and gradient.
-
-    Args:
-        logits: [B, T, V].
-
-    Returns:
-        [B, T].
-    """
-    # Shifting by the max first avoids cancellation between two large numbers (e.g. logits ~ 1e4 in fp32).
-    shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
-    probs = torch.softmax(shifted, dim=-1)
-    finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
-    return torch.logsumexp(shifted, dim=-1) - (probs * finite).sum(-1)
 
 
 def user_policy_loss(
