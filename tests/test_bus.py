@@ -560,3 +560,19 @@ async def test_deleting_a_durable_hands_its_unacked_items_to_the_next_consumer_a
     for d in got:
         await d.ack()
     assert await bus.stream_depth(Stage.READY) == 0
+
+
+async def test_held_work_kept_alive_past_its_ack_wait_then_handed_back(bus: Bus, run_id: str) -> None:
+    """A consumer working longer than the ack wait keeps its item (kept_alive beats); once the beats
+    stop without an ack (the process died), the item is redelivered after one ack wait."""
+    from rlbus.bus.keepalive import kept_alive
+
+    consumer = await bus.consumer(Stage.PROMPTS, "rollout", ack_wait_s=1)
+    await bus.publish(Stage.PROMPTS, prompt(run_id, 1))
+    (held,) = await consumer.fetch(1, timeout=5)
+    async with kept_alive([held], every_s=0.3):
+        # three ack waits of work: nobody else is handed the item meanwhile
+        assert await consumer.fetch(1, timeout=3) == []
+    again = await consumer.fetch(1, timeout=5)  # no ack and no beats: back after one ack wait
+    assert [d.message.prompt_id for d in again] == ["p1"] and again[0].num_delivered == 2  # type: ignore[attr-defined]
+    await again[0].ack()

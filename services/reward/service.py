@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from rlbus.bus.keepalive import held_work_ack_wait, keepalive_every, kept_alive
 from rlbus.config import RlbusConfig
 from rlbus.messages import ReadyGroup, ScoredGroup, TrajectoryGroup
 from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
@@ -97,30 +98,34 @@ async def reward_loop(ctx: ServiceContext) -> int:
         Stage.TRAJECTORIES,
         durable="reward",
         expected=TrajectoryGroup,
-        ack_wait_s=cfg.bus.ack_wait_s,
+        ack_wait_s=held_work_ack_wait(cfg.bus.ack_wait_s),
         max_deliver=cfg.bus.max_deliver,
     )
+    keepalive_s = keepalive_every(cfg.bus.ack_wait_s)
     ctx.status = "ready"
     ctx.stats.update(groups=0, samples=0, errors=0)
     while not ctx.stop.is_set():
         deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)
-        # a batched scorer (reward model, batch manager) takes the whole fetch in one call; any other
-        # scores, publishes and acks one group at a time, so a slow function never holds the others' acks
-        chunks = (
-            [deliveries] if getattr(scorer, "batched", False) and deliveries else [[d] for d in deliveries]
-        )
-        for chunk in chunks:
-            t0 = time.perf_counter()
-            scored_groups = await asyncio.to_thread(
-                score_groups, scorer, [d.message for d in chunk], cfg.reward.on_error_score
-            )
-            seconds = (time.perf_counter() - t0) / len(chunk)
-            for d, scored in zip(chunk, scored_groups, strict=True):
-                await _publish_scored(ctx, d, scored, seconds, out_stage)
+        async with kept_alive(deliveries, keepalive_s):  # the fetch's later items wait their turn
+            await _score_and_publish(ctx, scorer, deliveries, out_stage)
         ctx.stats["dead_letters"] = float(getattr(consumer, "dead_letters", 0))
     if hasattr(scorer, "close"):
         scorer.close()
     return 0
+
+
+async def _score_and_publish(ctx: ServiceContext, scorer, deliveries: list, out_stage) -> None:
+    """A batched scorer (reward model, batch manager) takes the whole fetch in one call; any other
+    scores, publishes and acks one group at a time, so a slow function never holds the others' acks."""
+    batched = getattr(scorer, "batched", False) and deliveries
+    for chunk in [deliveries] if batched else [[d] for d in deliveries]:
+        t0 = time.perf_counter()
+        scored_groups = await asyncio.to_thread(
+            score_groups, scorer, [d.message for d in chunk], ctx.cfg.reward.on_error_score
+        )
+        seconds = (time.perf_counter() - t0) / len(chunk)
+        for d, scored in zip(chunk, scored_groups, strict=True):
+            await _publish_scored(ctx, d, scored, seconds, out_stage)
 
 
 def run_reward(cfg: RlbusConfig, instance_id: str | None = None) -> int:

@@ -10,17 +10,17 @@ import asyncio
 import contextlib
 import time
 
+from rlbus.bus.keepalive import held_work_ack_wait, keepalive_every, kept_alive
 from rlbus.config import RlbusConfig
 from rlbus.messages import PromptWork, Sample, TrajectoryGroup, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext, run_service
-
-IN_PROGRESS_EVERY_S = 5.0
 
 
 class Replica:
     def __init__(self, ctx: ServiceContext, engine) -> None:
         self.ctx = ctx
         self.engine = engine
+        self.keepalive_s = keepalive_every(ctx.cfg.bus.ack_wait_s)
         self.lock = asyncio.Lock()
         self.version = 0  # the model on disk is policy version 0
         self.version_changed = asyncio.Condition()
@@ -43,9 +43,7 @@ class Replica:
             self.ctx.log.info("waiting for weights", have=self.version, need=needed)
             async with self.version_changed:
                 try:
-                    await asyncio.wait_for(
-                        self.version_changed.wait(), timeout=min(left, IN_PROGRESS_EVERY_S)
-                    )
+                    await asyncio.wait_for(self.version_changed.wait(), timeout=min(left, self.keepalive_s))
                 except TimeoutError:
                     pass
             for d in deliveries:
@@ -278,7 +276,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
         Stage.PROMPTS,
         durable="rollout",
         expected=PromptWork,
-        ack_wait_s=cfg.bus.ack_wait_s,
+        ack_wait_s=held_work_ack_wait(cfg.bus.ack_wait_s),
         max_deliver=cfg.bus.max_deliver,
     )
     ctx.status = "ready"
@@ -309,7 +307,8 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 for d in deliveries:
                     await d.nak(delay=1.0)
                 continue
-            outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
+            async with kept_alive(deliveries, replica.keepalive_s):
+                outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
             for d, outcome in zip(deliveries, outcomes, strict=True):
                 if isinstance(outcome, Exception):  # this item alone broke the engine: park it, go on
                     await park(ctx, d, f"generation failed: {type(outcome).__name__}: {outcome}")
