@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
-from rlbus.metrics_log import progress_line, read_metrics
+from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
@@ -207,7 +207,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     print(f"rlbus: run {cfg.run.id} in {run_dir} (logs in {run_dir / 'logs'})", flush=True)
     learner = procs[-1]
     refused = None
-    shown = 0
+    metrics = MetricsTail(run_dir)
     notices_file = run_dir / NOTICES_FILE
     # a resume's old notices were said already
     notices_at = notices_file.stat().st_size if notices_file.exists() else 0
@@ -230,11 +230,8 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             p.start()
         while not stopping:
             time.sleep(1.0)
-            rows = read_metrics(run_dir)
-            shown = min(shown, len(rows))  # a restarted learner rewinds the metrics to its checkpoint
-            for row in rows[shown:]:
+            for row in metrics.new_rows():
                 print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
-            shown = len(rows)
             show_notices()
             if learner.proc is not None and learner.proc.poll() == 0:  # the run is done
                 rc = 0
@@ -288,8 +285,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             server.stop()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
-    rows = read_metrics(run_dir)
-    for row in rows[shown:]:
+    for row in metrics.new_rows():
         print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
     show_notices()
     if refused is not None:

@@ -91,6 +91,33 @@ class MetricsWriter:
             self._wandb.finish()
 
 
+class MetricsTail:
+    """The rows appended to a run's metrics.jsonl since the last call, reading only the new bytes (the
+    launcher asks every second; re-reading the whole file would cost O(steps) each time). When the file
+    shrinks (a resumed learner rewrote it up to its checkpoint), it goes on from the rewritten end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.offset = 0
+        self._partial = b""  # a row still being written
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:
+            self.offset, self._partial = size, b""
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read(size - self.offset)
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():

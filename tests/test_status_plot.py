@@ -299,3 +299,25 @@ def test_progress_line_leads_with_the_guides_fields() -> None:
         "step 3/150 | Loss -0.0123 | PPO KL 0.0004 | Reward 0.500 | Throughput 85.2 samples/s | acc 0.500 |"
     )
     assert "val - |" in line and "tok/s 2345" in line
+
+
+def test_metrics_tail_reads_appended_rows_once_and_follows_a_rewind(tmp_path: Path) -> None:
+    from rlbus.metrics_log import METRICS_FILE, MetricsTail
+
+    path = tmp_path / METRICS_FILE
+    tail = MetricsTail(tmp_path)
+    assert tail.new_rows() == []  # no file yet
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    assert [r["step"] for r in tail.new_rows()] == [1, 2, 3]
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"step": 4}) + "\n" + '{"step": 5')  # row 5 still being written
+    assert [r["step"] for r in tail.new_rows()] == [4]
+    with open(path, "a") as fh:
+        fh.write("}\n")
+    assert [r["step"] for r in tail.new_rows()] == [5]
+    assert tail.new_rows() == []
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))  # a resume rewound to step 2
+    assert tail.new_rows() == []
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"step": 3, "again": True}) + "\n")
+    assert tail.new_rows() == [{"step": 3, "again": True}]
