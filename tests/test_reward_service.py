@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_utils import Run, make_config
+from e2e_utils import Run, make_config, wait_until
 
 from rlbus.config.schema import RewardConfig
 from rlbus.launcher import ServiceProcess
@@ -19,6 +18,7 @@ from rlbus.reward.service import score_group
 
 TESTS = str(Path(__file__).parent)
 STEPS = 40
+WAITING = "waiting for ready trajectories"  # the learner's log line while a batch is incomplete
 
 
 @pytest.fixture(autouse=True)
@@ -101,14 +101,18 @@ def test_reward_implementations_swap_while_the_run_is_live(
     )
     with Run(cfg) as run:
         run.wait_for_step(3, 200)
+        waited = run.logs("learner", tail=10**6).count(WAITING)
         first = run.proc("reward")
         assert first.proc is not None
         first.proc.send_signal(signal.SIGTERM)  # graceful: finishes its item, the rest stays on the bus
         first.proc.wait(30)
         stalled_at = len(run.metrics())
-        # A window in which nothing may happen (not a synchronisation): with no scorer the learner waits
-        # instead of training on unscored work.
-        time.sleep(3.0)
+        # With no scorer the learner waits for scored work, and says so, instead of training on unscored work.
+        wait_until(
+            lambda: run.logs("learner", tail=10**6).count(WAITING) > waited,
+            120,
+            "the learner to say it waits for ready trajectories",
+        )
         assert len(run.metrics()) <= stalled_at + 2, "steps went on without a reward service"
         assert stalled_at < STEPS, "the run finished before the swap; make it longer"
         swapped = ServiceProcess(

@@ -17,8 +17,9 @@ the degenerate case and runs none of the distributed code):
   ``STOP``      none                                    ``run_learner`` when the service returns
   ============  =====================================  ==============================================
 
-* **rank k > 0** runs :func:`rlbus.learner.worker.worker_main`: ``receive op -> run it`` until ``STOP``. It never touches NATS
-  or a replica; it trains on its share of every batch and takes part in every all-gather of the weights.
+* **rank k > 0** runs :func:`rlbus.learner.worker.worker_main`: ``receive op -> run it`` until ``STOP``.
+  It never touches NATS or a replica; it trains on its share of every batch and takes part in every
+  all-gather of the weights.
 
 An op is an int64 header broadcast from rank 0 on the CPU (gloo) side of the default group, then its
 payload (JSON bytes, then the batch tensors, all on the CPU side: a batch is token ids, a few MB). On GPU
@@ -703,9 +704,10 @@ def forward_logprobs(
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
     Padded: the micro-batch is cut to its longest row (right padding makes that exact). Packed, when the
-    rows' lengths differ (equal lengths run padded: nothing to remove): all rows' real tokens in ONE row with position ids restarting at 0 per sequence and no attention mask, which
-    transformers turns into a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the
-    values are scattered back into the padded layout (zeros off the real tokens).
+    rows' lengths differ (equal lengths run padded: nothing to remove): all rows' real tokens in ONE row
+    with position ids restarting at 0 per sequence and no attention mask, which transformers turns into
+    a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the values are scattered back
+    into the padded layout (zeros off the real tokens).
     """
     amp = getattr(model, "_rlbus_autocast", None)
     if amp is not None:

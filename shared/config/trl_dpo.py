@@ -33,7 +33,7 @@ DIRECT: dict[str, str] = {
     "lora_target_modules": "model.target_modules",
 }
 
-LOSS_TYPES = {"sigmoid": "sigmoid", "ipo": "ipo", "hinge": "hinge"}
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")  # TRL's names for the variants rlbus has, spelled the same
 
 # TRL keys that change nothing here -> why
 INERT: dict[str, str] = {
@@ -81,7 +81,7 @@ def trl_dpo_overrides(doc: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
             loss = value[0] if isinstance(value, list) and len(value) == 1 else value
             if loss not in LOSS_TYPES:
                 raise ValueError(f"loss_type={value!r}: rlbus's DPO has {', '.join(LOSS_TYPES)}")
-            out.append(f"preference.loss_type={LOSS_TYPES[loss]}")
+            out.append(f"preference.loss_type={loss}")
         elif key == "max_steps":
             if value is not None and int(value) > 0:
                 out.append(f"preference.max_steps={int(value)}")
