@@ -99,7 +99,7 @@ def rollout_gpu(replica: int, learner_gpus: int, visible: int) -> int | None:
     if visible == 0:
         return None
     free = visible - learner_gpus
-    return learner_gpus + replica % free if free > 0 else replica % max(1, min(learner_gpus, visible))
+    return learner_gpus + replica % free if free > 0 else replica % visible
 
 
 def service_processes(

@@ -29,16 +29,15 @@ def copy_to_shm(src: Path, root: Path = SHM_ROOT) -> Path:
     """`src` copied under `root` (a tmpfs), once per host: every service of a host that asks for the same
     checkpoint (same path, file sizes and times) gets the same copy. The copy is made in a temporary
     directory and renamed into place, so a reader never sees a half-written model."""
-    files = sorted(p for p in src.rglob("*") if p.is_file())
+    stats = {f: f.stat() for f in sorted(p for p in src.rglob("*") if p.is_file())}
     digest = hashlib.sha256(str(src.resolve()).encode())
-    for f in files:
-        st = f.stat()
+    for f, st in stats.items():
         digest.update(f"{f.relative_to(src)}:{st.st_size}:{st.st_mtime_ns}".encode())
     dest = root / f"{src.name}-{digest.hexdigest()[:16]}"
     if (dest / "config.json").is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True)
-    need = sum(f.stat().st_size for f in files)
+    need = sum(st.st_size for st in stats.values())
     free = shutil.disk_usage(root).free
     if need > free:
         raise OSError(f"model.use_shm: {src} needs {need / 1e9:.1f} GB in {root}, {free / 1e9:.1f} GB free")
