@@ -119,7 +119,7 @@ class IpcWeightSender:
         self._buffer: torch.Tensor | None = None
         self._handle: dict[str, Any] | None = None
         self._metas: list[TensorMeta] | None = None  # the buffer's layout, fixed by the first fill
-        self._views: list[torch.Tensor] | None = None  # one typed view of the buffer per tensor
+        self._views: list[torch.Tensor] | None = None  # [buffer, one typed view per tensor]
         self.last_fill_seconds = 0.0
 
     @property
@@ -165,41 +165,45 @@ class IpcWeightSender:
                 _flatten_into([t.to(self.device, non_blocking=True) for _, t in items], buffer)
                 del items
                 self._metas = metas
-                offsets, _ = bucket_layout(metas)  # one typed view per tensor, for the refills
-                self._views = [
-                    buffer[off : off + m.nbytes].view(m.torch_dtype).view(m.shape)
-                    for m, off in zip(metas, offsets, strict=True)
-                ]
             else:
                 metas, buffer = self._metas, self._buffer
                 assert buffer is not None
-                self._refill(named_tensors)
+                self._refill(named_tensors, metas, buffer)
             checksum, _ = device_checksum(dtype_runs(buffer, metas))
             torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before anyone is told
         self.last_fill_seconds = time.perf_counter() - t0
         return metas, checksum
 
-    def _refill(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _refill(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: list[TensorMeta], buffer: torch.Tensor
+    ) -> None:
         """Copies a new version into the layout: multi-tensor copies of up to _REFILL_BYTES at a time (a
         few kernel launches instead of one per tensor, which matters while generation shares the GPU),
         never holding more than that of gathered tensors. The zero padding from the first fill stays."""
-        assert self._metas is not None and self._views is not None
+        if self._views is None or self._views[0].data_ptr() != buffer.data_ptr():
+            offsets, _ = bucket_layout(metas)
+            self._views = [
+                buffer[off : off + m.nbytes].view(m.torch_dtype).view(m.shape)
+                for m, off in zip(metas, offsets, strict=True)
+            ]
+            self._views = [buffer, *self._views]  # [0] remembers which buffer the views are of
+        views = self._views[1:]
         iterator = iter(named_tensors)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         pending = 0
-        for meta, view in zip(self._metas, self._views, strict=True):
+        for meta, view in zip(metas, views, strict=True):
             tensor = next_matching(iterator, meta).detach()
             dst.append(view)
             src.append(tensor.to(self.device, non_blocking=True))
-            pending += meta.nbytes
+            pending += view.numel() * view.element_size()
             if pending >= _REFILL_BYTES:
                 torch._foreach_copy_(dst, src)
                 dst, src, pending = [], [], 0
         if dst:
             torch._foreach_copy_(dst, src)
         if next(iterator, None) is not None:
-            raise WeightSyncError(f"more tensors than the shared buffer's {len(self._metas)}")
+            raise WeightSyncError(f"more tensors than the shared buffer's {len(metas)}")
 
     def close(self) -> None:
         self._buffer = None
