@@ -18,7 +18,7 @@ Runs, one after the other in one process on the same batch:
 The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936, tied embeddings) with random weights, built locally. MFU = model FLOPs/s over the peak
 (``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
-attention per token, recompute not counted, padding not counted (see ``parallel.train_flops_per_token``).
+attention per token, recompute not counted, padding not counted (see ``perf.train_flops_per_token``).
 
 Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 8, bf16, the
 median of 3 steps), 2026-12-03: plain-bf16 84.8k tok/s (27.7% MFU, 52.7 GB); rlbus 106.8k (34.9%, 23.5 GB,
@@ -93,7 +93,7 @@ def bootstrap_rlbus(force: bool = False) -> str:
     """Make ``import rlbus`` work: the installed package if there is one, else the checkout's folders."""
     if not force:
         try:
-            import rlbus.learner.parallel  # noqa: F401
+            import rlbus.learner.model  # noqa: F401
 
             return "installed"
         except ImportError:
@@ -208,7 +208,7 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     import torch
 
     from rlbus.config import load_config
-    from rlbus.learner import parallel
+    from rlbus.learner import forward
     from rlbus.learner.trainer import PolicyTrainer
 
     packed = "+pack" in name
@@ -243,8 +243,8 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     if packed:  # the packed path must compute what the padded one does
         probe = batch.select(list(range(min(4, batch.size))))
         with torch.no_grad():
-            a, _ = parallel.forward_logprobs(trainer.model, probe, trainer.device, True, False)
-            b, _ = parallel.forward_logprobs(trainer.model, probe, trainer.device, False, False)
+            a, _ = forward.forward_logprobs(trainer.model, probe, trainer.device, True, False)
+            b, _ = forward.forward_logprobs(trainer.model, probe, trainer.device, False, False)
         m = probe.response_mask.to(a.device).bool()
         out["packed_vs_padded_max_abs_dlogp"] = float((a - b).abs()[m].max())
     metrics: dict[str, float] = {}
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
 
-    from rlbus.learner import parallel
+    from rlbus.learner import perf
+    from rlbus.learner.dist import context as dist_context
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -349,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
     if args.device == "cuda":
-        parallel.init_distributed("cuda")  # a world of one: FSDP2 mixed precision with fp32 master weights
+        dist_context.init_distributed(
+            "cuda"
+        )  # a world of one: FSDP2 mixed precision with fp32 master weights
     config = model_config(args)
     fixed = [args.seq_len] * args.batch
     g = torch.Generator().manual_seed(1)
@@ -386,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
             tokens = sum(lengths)
             seq_eff = sum(n * n for n in lengths) / tokens
-            flops_tok = parallel.train_flops_per_token(config, seq_eff)
+            flops_tok = perf.train_flops_per_token(config, seq_eff)
             step_s = statistics.median(res["times"])
             res.update(
                 tokens=tokens,
                 padded_tokens=len(lengths) * max(lengths),
                 step_s=step_s,
                 tokens_per_s=tokens / step_s,
-                mfu=parallel.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
+                mfu=perf.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
                 tflops=tokens / step_s * flops_tok / 1e12,
                 wall_s=time.perf_counter() - t0,
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args, config)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
-    parallel.shutdown()
+    dist_context.shutdown()
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

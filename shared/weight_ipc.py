@@ -24,13 +24,13 @@ import torch
 from rlbus.weight_sync import (
     TensorMeta,
     WeightSyncError,
-    _flatten_into,
     bucket_layout,
     checksums_match,
     dtype_to_str,
-    next_matching,
     unflatten_bucket,
 )
+from rlbus.weight_sync.sender import next_matching
+from rlbus.weight_sync.wire import flatten_into
 
 _CHUNK = 1 << 24  # elements per fp64 partial sum: bounds the temporary
 _REFILL_BYTES = 256 << 20  # bytes of tensors per multi-tensor copy when refilling the shared buffer
@@ -59,7 +59,7 @@ def device_checksum(tensors: Iterable[torch.Tensor], with_abs: bool = False) -> 
 def dtype_runs(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
     """The flat buffer as one typed view per run of consecutive same-dtype tensors.
 
-    Alignment padding between tensors is zero (rlbus.weight_sync._flatten_into writes it so), so each view's
+    Alignment padding between tensors is zero (rlbus.weight_sync.flatten_into writes it so), so each view's
     sum equals the sum of its tensors: a whole model checksums in a few reductions instead of two per
     tensor, which matters in a replica whose generation thread holds the GIL most of the time."""
     offsets, total = bucket_layout(metas)
@@ -162,7 +162,7 @@ class IpcWeightSender:
                 items = [(name, t.detach()) for name, t in named_tensors]
                 metas = [TensorMeta(name, dtype_to_str(t.dtype), list(t.shape)) for name, t in items]
                 buffer = self._ensure(max(bucket_layout(metas)[1], 1))
-                _flatten_into([t.to(self.device, non_blocking=True) for _, t in items], buffer)
+                flatten_into([t.to(self.device, non_blocking=True) for _, t in items], buffer)
                 del items
                 self._metas = metas
             else:

@@ -341,7 +341,7 @@ def test_lora_final_export_holds_the_merged_weights(tmp_path) -> None:
 
     from rlbus.config import load_config
     from rlbus.learner.export import save_hf
-    from rlbus.learner.parallel import full_state_items
+    from rlbus.learner.model import full_state_items
     from rlbus.learner.trainer import PolicyTrainer
     from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
     from rlbus.tiny_model import default_model_path

@@ -19,8 +19,11 @@ import torch
 from helpers_tiny import build_tiny_model
 
 from rlbus.config import RlbusConfig, load_config
-from rlbus.learner import parallel, worker
+from rlbus.learner import forward, microbatch, varlen_attention
+from rlbus.learner import model as model_setup
 from rlbus.learner.batch import TrainBatch
+from rlbus.learner.dist import context as dist_context
+from rlbus.learner.dist import worker
 from rlbus.modeling import pad_batch
 
 torch.set_num_threads(1)
@@ -132,7 +135,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str
     )
     torch.set_num_threads(1)
     try:
-        ctx = parallel.init_distributed("cpu", timeout_s=120)
+        ctx = dist_context.init_distributed("cpu", timeout_s=120)
         assert ctx.distributed and ctx.world_size == world
         for name in names:
             cfg = scenario_config(model_dir, name)
@@ -146,7 +149,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str
     except BaseException:  # noqa: BLE001 - reported to the test
         out.put((f"error{rank}", traceback.format_exc()))
     finally:
-        parallel.shutdown()
+        dist_context.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +212,11 @@ def test_full_state_items_of_plain_model_is_its_state_dict(tiny: Path) -> None:
     from rlbus.modeling import load_causal_lm
 
     model = load_causal_lm(tiny, "float32", "cpu", trainable=True)
-    items = list(parallel.full_state_items(model))
+    items = list(model_setup.full_state_items(model))
     assert [k for k, _ in items] == list(model.state_dict())
     for (_, got), want in zip(items, model.state_dict().values(), strict=True):
         assert torch.equal(got, want)
-    assert all(t.dtype == torch.bfloat16 for _, t in parallel.full_state_items(model, torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for _, t in model_setup.full_state_items(model, torch.bfloat16))
 
 
 def test_packed_logprobs_equal_padded(tiny: Path) -> None:
@@ -222,10 +225,10 @@ def test_packed_logprobs_equal_padded(tiny: Path) -> None:
     model = load_causal_lm(tiny, "float32", "cpu")
     batch = make_batch(seed=3)
     with torch.no_grad():
-        lp_pad, ent_pad = parallel.forward_logprobs(
+        lp_pad, ent_pad = forward.forward_logprobs(
             model, batch, torch.device("cpu"), packed=False, entropy=True
         )
-        lp_pack, ent_pack = parallel.forward_logprobs(
+        lp_pack, ent_pack = forward.forward_logprobs(
             model, batch, torch.device("cpu"), packed=True, entropy=True
         )
     m = batch.response_mask.bool()
@@ -247,17 +250,17 @@ def test_packed_logprobs_equal_padded(tiny: Path) -> None:
 
 def test_micro_batch_planning() -> None:
     lengths = [9, 1, 5, 5, 3, 7, 2, 8]
-    shares = parallel.split_for_ranks(range(8), lengths, 2)
+    shares = microbatch.split_for_ranks(range(8), lengths, 2)
     assert sorted(shares[0] + shares[1]) == list(range(8))
     loads = [sum(lengths[i] for i in s) for s in shares]
     assert abs(loads[0] - loads[1]) <= max(lengths)
-    bins = parallel.token_bins(list(range(8)), lengths, 10)
+    bins = microbatch.token_bins(list(range(8)), lengths, 10)
     assert sorted(i for b in bins for i in b) == list(range(8))
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
-    assert parallel.token_bins([0], [12], 10) == [[0]]  # a longer sequence goes alone
-    more = parallel.equalize(bins, len(bins) + 2, lengths)
+    assert microbatch.token_bins([0], [12], 10) == [[0]]  # a longer sequence goes alone
+    more = microbatch.equalize(bins, len(bins) + 2, lengths)
     assert len(more) == len(bins) + 2 and sorted(i for b in more for i in b) == list(range(8))
-    assert parallel.equalize([[3]], 3, lengths) == [[3], [], []]  # nothing to split: dummies
+    assert microbatch.equalize([[3]], 3, lengths) == [[3], [], []]  # nothing to split: dummies
 
 
 def test_config_knobs_reach_the_model(tiny: Path) -> None:
@@ -479,16 +482,16 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
         return _reference_varlen_attn(*args, **kwargs)
 
     monkeypatch.setattr(varlen, "varlen_attn", counted)
-    name = parallel.packed_attention(torch.device("cuda"), torch.bfloat16)
-    assert name == parallel.VARLEN_ATTENTION
+    name = varlen_attention.packed_attention(torch.device("cuda"), torch.bfloat16)
+    assert name == varlen_attention.VARLEN_ATTENTION
     packed_model = load_causal_lm(tmp_path, "float32", "cpu", attn_implementation=name)
     plain = load_causal_lm(tmp_path, "float32", "cpu")
     batch = make_batch(seed=5)
     cpu = torch.device("cpu")
     with torch.no_grad():
-        want, _ = parallel.forward_logprobs(plain, batch, cpu, packed=False, entropy=False)
-        got, _ = parallel.forward_logprobs(packed_model, batch, cpu, packed=True, entropy=False)
-        padded, _ = parallel.forward_logprobs(
+        want, _ = forward.forward_logprobs(plain, batch, cpu, packed=False, entropy=False)
+        got, _ = forward.forward_logprobs(packed_model, batch, cpu, packed=True, entropy=False)
+        padded, _ = forward.forward_logprobs(
             packed_model, batch, cpu, packed=False, entropy=False
         )  # sdpa fallback
     assert len(calls) == cfg.num_hidden_layers  # the packed forward went through varlen, once a layer
@@ -499,6 +502,6 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     calls.clear()
     one = batch.select([0, 0])
     with torch.no_grad():
-        dense, _ = parallel.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
+        dense, _ = forward.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
     assert not calls
     assert float((dense - want[[0, 0]]).abs()[one.response_mask.bool()].max()) < 1e-5

@@ -104,7 +104,7 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
 
     Replaces an earlier export at `out_dir`. Every rank calls it; rank 0 writes.
     """
-    from rlbus.learner.parallel import full_state_items, is_lora
+    from rlbus.learner.model import full_state_items, is_lora
 
     out = Path(out_dir)
     lora = is_lora(model)

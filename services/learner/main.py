@@ -11,21 +11,23 @@ from rlbus.config import RlbusConfig
 
 def run_learner(cfg: RlbusConfig) -> int:
     """One learner process. Under torchrun, rank 0 runs the service and leads the other ranks' steps
-    (services/learner/parallel.py); every other rank only follows them and never talks to the bus."""
-    from rlbus.learner import parallel, worker
+    (services/learner/dist/); every other rank only follows them and never talks to the bus."""
+    from rlbus.learner.dist import context as dist_context
+    from rlbus.learner.dist import worker
     from rlbus.learner.service import learner_loop
     from rlbus.service import run_service
 
     # Workers idle in a gloo broadcast while rank 0 waits for rollouts: never shorter than that wait.
     timeout_s = max(
-        parallel.DEFAULT_TIMEOUT_S, 3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s
+        dist_context.DEFAULT_TIMEOUT_S,
+        3 * cfg.trainer.batch_timeout_s + 2 * cfg.trainer.weight_push_timeout_s,
     )
-    ctx = parallel.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
+    ctx = dist_context.init_distributed(cfg.trainer.device, timeout_s=timeout_s)
     if not ctx.is_leader:
         try:
             rc = worker.worker_main(cfg)
         finally:
-            parallel.shutdown()
+            dist_context.shutdown()
         # A worker has nothing left to write; interpreter teardown could only race torch's C++ threads
         # (a multi-node worker aborted there once in four runs: "terminate called without an active
         # exception", which torchrun reports as a failed job). Leave without it.
@@ -38,7 +40,7 @@ def run_learner(cfg: RlbusConfig) -> int:
         finally:
             ctx.stop_workers()
     finally:
-        parallel.shutdown()
+        dist_context.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

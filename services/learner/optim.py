@@ -97,7 +97,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; fused on CUDA. A model that `parallel.build_policy_model` left
+    """AdamW over the trainable parameters; fused on CUDA. A model that `model.build_policy_model` left
     in bf16/fp16 for ``actor.master_weights`` (optimizer, or auto on one rank) gets `MasterWeightAdamW`."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = {

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from rlbus.config import RlbusConfig
-from rlbus.learner import parallel
+from rlbus.learner import forward, microbatch
+from rlbus.learner import model as model_setup
 from rlbus.learner.algorithms.advantages import compute_advantages, user_advantages
 from rlbus.learner.algorithms.kl import build_kl_controller, kl_estimate
 from rlbus.learner.algorithms.policy_loss import (
@@ -23,6 +24,7 @@ from rlbus.learner.algorithms.policy_loss import (
     user_policy_loss,
 )
 from rlbus.learner.batch import TrainBatch
+from rlbus.learner.dist import context as dist_context
 from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
 from rlbus.plugins import is_import_path, load_callable
@@ -31,12 +33,12 @@ from rlbus.plugins import is_import_path, load_callable
 class PolicyTrainer:
     def __init__(self, cfg: RlbusConfig, model_path: Path, device: torch.device, total_steps: int) -> None:
         self.cfg = cfg
-        # Scale hook (parallel.py): rank 0 of a torchrun group tells the other ranks to build theirs; the
+        # Scale hook (dist/context.py): rank 0 of a torchrun group tells the other ranks to build theirs; the
         # model comes back with gradient checkpointing, LoRA and FSDP2 applied as configured.
-        self.par = parallel.context(device)
+        self.par = dist_context.context(device)
         self.device = self.par.device if self.par.initialized else device
         self.par.lead_init(model_path, total_steps)
-        self.model = parallel.build_policy_model(cfg, model_path, self.par)
+        self.model = model_setup.build_policy_model(cfg, model_path, self.par)
         optim = cfg.actor.optim
         self.optimizer = build_optimizer(self.model, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
@@ -63,11 +65,11 @@ class PolicyTrainer:
         """What the weight push sends: full tensors one at a time, state-dict order, in `model.dtype`
         (LoRA: merged, under the base model's names). Under FSDP every rank gathers alongside."""
         return self.par.lead_gather(
-            lambda: parallel.full_state_items(self.model, torch_dtype(self.cfg.model.dtype))
+            lambda: model_setup.full_state_items(self.model, torch_dtype(self.cfg.model.dtype))
         )
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return parallel.forward_logprobs(
+        return forward.forward_logprobs(
             self.model,
             mb,
             self.device,
@@ -76,10 +78,10 @@ class PolicyTrainer:
             self.cfg.model.logprob_chunk,
         )
 
-    def _micro_batches(self, batch: TrainBatch) -> list[parallel.MicroBatch]:
+    def _micro_batches(self, batch: TrainBatch) -> list[microbatch.MicroBatch]:
         """This rank's micro-batches (its share under data parallelism; token-bounded when packing)."""
         actor = self.cfg.actor
-        return parallel.plan_micro_batches(
+        return microbatch.plan_micro_batches(
             batch,
             self.par,
             actor.ppo_micro_batch_size,
@@ -155,7 +157,7 @@ class PolicyTrainer:
                 mini = batch.select(mb_idx)
                 mini_adv = advantages[mb_idx]
                 mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
-                # global counts / world size: FSDP averages the ranks' gradients (see parallel.py)
+                # global counts / world size: FSDP averages the ranks' gradients (see dist/__init__.py)
                 agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
                 agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(
                     min=1.0
@@ -207,11 +209,11 @@ class PolicyTrainer:
                     token_stats.add("actor/entropy", entropy.detach(), m)
                     token_stats.add("actor/is_weight_mean", is_w, m)
                     token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
-                grad_norm = parallel.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
+                grad_norm = model_setup.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
                 grad_norms.append(float(grad_norm))
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
-        parallel.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
+        dist_context.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
         self.scheduler.step()
         n_updates = actor.ppo_epochs * len(minibatches)
         metrics = {k: v / n_updates for k, v in loss_sums.items()}

@@ -1,7 +1,7 @@
-"""Ranks > 0 of a torchrun learner: follow rank 0's ops (services/learner/parallel.py) until STOP.
+"""Ranks > 0 of a torchrun learner: follow rank 0's ops (services/learner/dist/context.py) until STOP.
 
 The only module of the learner that imports the trainer, checkpoints and export together: the ops a
-worker runs are theirs, and keeping them here keeps `parallel` free of import cycles.
+worker runs are theirs, and keeping them here keeps `dist.context` free of import cycles.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from rlbus.config import RlbusConfig
-from rlbus.learner import checkpoint, parallel
+from rlbus.learner import checkpoint
+from rlbus.learner.dist import context as dist_context
 from rlbus.learner.batch import TrainBatch
 from rlbus.learner.export import save_hf
 from rlbus.learner.trainer import PolicyTrainer
@@ -41,29 +42,29 @@ def _builtin_op(name: str) -> Callable[..., Any] | None:
 
 def worker_main(cfg: RlbusConfig) -> int:
     """Ranks > 0: follow rank 0's ops until STOP. Returns the exit code."""
-    ctx = parallel.context()
+    ctx = dist_context.context()
     torch.manual_seed(cfg.trainer.seed)
     trainer = None
     while True:
         op, payload = ctx._recv_op()
-        if op == parallel.OP_STOP:
+        if op == dist_context.OP_STOP:
             ctx.exit_together()
             return 0
-        if op == parallel.OP_INIT:
+        if op == dist_context.OP_INIT:
             assert payload is not None
             trainer = PolicyTrainer(cfg, Path(payload["model_path"]), ctx.device, payload["total_steps"])
             continue
         if trainer is None:
-            raise RuntimeError(f"rank {ctx.rank}: {parallel.OP_NAMES[op]} before INIT")
-        if op == parallel.OP_TRAIN:
+            raise RuntimeError(f"rank {ctx.rank}: {dist_context.OP_NAMES[op]} before INIT")
+        if op == dist_context.OP_TRAIN:
             assert payload is not None
             trainer.train_step(_recv_batch(payload))
-        elif op == parallel.OP_GATHER:
+        elif op == dist_context.OP_GATHER:
             for _ in trainer.named_weights():
                 pass
-        elif op == parallel.OP_CALL:
+        elif op == dist_context.OP_CALL:
             assert payload is not None
-            fn = parallel.WORKER_OPS.get(payload["name"]) or _builtin_op(payload["name"])
+            fn = dist_context.WORKER_OPS.get(payload["name"]) or _builtin_op(payload["name"])
             if fn is None:
                 raise RuntimeError(f"rank {ctx.rank}: no worker op {payload['name']!r} is registered")
             fn(trainer, **payload["kwargs"])

@@ -1,0 +1,113 @@
+"""Micro-batches: sequences dealt to ranks, binned by tokens, equal pass counts on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from rlbus.learner.batch import TrainBatch
+from rlbus.learner.dist.context import DistContext
+
+
+def split_for_ranks(positions: Iterable[int], lengths: list[int], world: int) -> list[list[int]]:
+    """Longest sequence first onto the least-loaded rank (tokens, then count); each list kept in order."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    if world == 1:
+        return [list(positions)]
+    load = [(0, 0)] * world
+    for i in sorted(positions, key=lambda j: (-lengths[j], j)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        shares[r].append(i)
+        load[r] = (load[r][0] + lengths[i], load[r][1] + 1)
+    return [sorted(s) for s in shares]
+
+
+def token_bins(positions: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: micro-batches of at most ``max_tokens`` real tokens (a longer one goes alone)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(positions, key=lambda j: (-lengths[j], j)):
+        for k, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[k].append(i)
+                loads[k] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def equalize(bins: list[list[int]], target: int, lengths: list[int]) -> list[list[int]]:
+    """``target`` micro-batches: split the heaviest splittable one in two; ``[]`` (a dummy) when none is."""
+    bins = [list(b) for b in bins]
+    while len(bins) < target:
+        splittable = [k for k, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        k = max(splittable, key=lambda j: sum(lengths[i] for i in bins[j]))
+        b = sorted(bins.pop(k), key=lambda i: (-lengths[i], i))
+        left, right, lt, rt = [], [], 0, 0
+        for i in b:  # greedy halves by tokens
+            if lt <= rt:
+                left.append(i)
+                lt += lengths[i]
+            else:
+                right.append(i)
+                rt += lengths[i]
+        bins[k:k] = [sorted(left), sorted(right)]
+    return bins
+
+
+@dataclass
+class MicroBatch:
+    """Rows ``idx`` of the batch as the sub-batch ``batch``; unpacks as ``idx, batch``. A ``dummy`` (see
+    plan_micro_batches) has one real row whose response mask is zero: it only keeps the ranks in step."""
+
+    idx: list[int]
+    batch: TrainBatch
+    dummy: bool = False
+
+    def __iter__(self) -> Iterator:
+        return iter((self.idx, self.batch))
+
+
+def plan_micro_batches(
+    batch: TrainBatch,
+    ctx: DistContext,
+    micro_batch_size: int,
+    packed: bool,
+    max_tokens: int,
+    positions: Iterable[int] | None = None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of ``batch`` (or of its ``positions``), in the order to run them.
+
+    Padded: ``micro_batch_size`` sequences each. Packed (``model.use_remove_padding``): token-bounded by
+    ``max_tokens`` (``actor.ppo_max_token_len_per_gpu``). Under data parallelism each rank takes its share
+    first, and all ranks end with the same number of micro-batches (see the module docstring): a dummy
+    is a real sequence with its response mask zeroed, so it adds nothing to the loss or the gradient.
+    """
+    lengths = [int(x) for x in batch.attention_mask.sum(-1).tolist()]
+    pos = list(range(batch.size)) if positions is None else list(positions)
+    mine = split_for_ranks(pos, lengths, ctx.world_size)[ctx.rank] if ctx.distributed else pos
+    if packed:
+        bins = token_bins(mine, lengths, max_tokens)
+    else:
+        bins = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    if ctx.distributed:
+        bins = equalize(bins, ctx.max_int(len(bins)), lengths)
+    out = []
+    for b in bins:
+        if b:
+            out.append(MicroBatch(b, batch.select(b)))
+            continue
+        j = min(pos or range(batch.size), key=lambda i: (lengths[i], i))
+        dummy = batch.select([j])
+        dummy.response_mask = torch.zeros_like(dummy.response_mask)
+        out.append(MicroBatch([j], dummy, dummy=True))
+    return out
