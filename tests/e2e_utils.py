@@ -141,3 +141,20 @@ class Run:
 
     def ledger(self) -> dict:
         return json.loads((self.run_dir / "ledger.json").read_text())
+
+
+def rollout_groups(rollout_dir: Path, step: int) -> list[list[dict]]:
+    """The samples a learner wrote to `trainer.rollout_data_dir` for one step, grouped by prompt (`uid`)."""
+    from rlbus.learner.rollout_data import read_rollout_data
+
+    groups: dict[str, list[dict]] = {}
+    for record in read_rollout_data(rollout_dir / f"{step}.jsonl"):
+        groups.setdefault(record["uid"], []).append(record)
+    return list(groups.values())
+
+
+def checkpoint_weights(run_dir: Path, step: int) -> dict:
+    """The policy weights a run's checkpoint of `step` holds (`trainer.save_freq`), as plain CPU tensors."""
+    from rlbus.learner.checkpoint import checkpoint_root, load_model_state, step_dir
+
+    return load_model_state(step_dir(checkpoint_root(run_dir), step))

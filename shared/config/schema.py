@@ -393,8 +393,9 @@ class TrainerConfig(Section):
     )
     weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
-    dump_first_batch: bool = Field(
-        False, description="write step 1's batch and update to the run dir (tests)"
+    rollout_data_dir: str | None = Field(
+        None,
+        description="write every trained sample of step N to <dir>/N.jsonl (verl's key; relative to the cwd)",
     )
 
     @field_validator("logger", mode="before")
