@@ -18,8 +18,8 @@ from nats.js.errors import ObjectNotFoundError
 
 from rlbus import codec
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, RunState, Stage, connect, redact_url
+from rlbus.bus.headers import CLAIM_HEADER, DELIVERED_HEADER, ORIGINAL_SUBJECT_HEADER, STAGE_HEADER
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames
-from rlbus.bus.transport import CLAIM_HEADER, DELIVERED_HEADER, ORIGINAL_SUBJECT_HEADER, STAGE_HEADER
 from rlbus.config.schema import RlbusConfig
 from rlbus.messages import (
     ALL_MESSAGES,

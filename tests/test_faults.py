@@ -14,7 +14,7 @@ from e2e_utils import Run, make_config
 
 from rlbus import codec
 from rlbus.bus import Bus, LocalNatsServer, Stage
-from rlbus.bus.transport import CLAIM_HEADER, CLAIM_SIZE_HEADER
+from rlbus.bus.headers import CLAIM_HEADER, CLAIM_SIZE_HEADER
 from rlbus.config import RlbusConfig
 from rlbus.messages import SCHEMA_VERSION, PromptWork, SamplingParams, encode
 

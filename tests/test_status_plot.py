@@ -156,7 +156,7 @@ def test_status_of_an_unknown_run(nats_url: str, run_id: str) -> None:
 async def test_collect_status_reads_heartbeats_versions_depths_and_dead_letters(
     bus: Bus, run_id: str
 ) -> None:
-    from rlbus.bus.transport import DeadLetter  # noqa: F401 - the type dead_letters() returns
+    from rlbus.bus.headers import DeadLetter  # noqa: F401 - the type dead_letters() returns
 
     state = await bus.state()
     await state.set_policy_version(7)

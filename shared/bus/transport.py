@@ -12,18 +12,12 @@ Guarantees the rest of rlbus builds on:
 
 from __future__ import annotations
 
-import asyncio
-import re
-import time
 from collections.abc import Awaitable, Generator
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import (
     BadRequestError,
@@ -36,274 +30,37 @@ from nats.js.object_store import ObjectStore
 from rlbus import codec
 from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
-from rlbus.bus.retry import PUBLISH_DEADLINE_S, RETRYABLE, with_retry
+from rlbus.bus.consumer import Consumer
+from rlbus.bus.headers import (
+    _NAME_RE,
+    CLAIM_HEADER,
+    CLAIM_SIZE_HEADER,
+    CONSUMER_HEADER,
+    DELIVERED_HEADER,
+    DLQ_MAX_AGE_S,
+    DLQ_MAX_MSGS,
+    DUPLICATE_WINDOW_S,
+    HEADER_HEADROOM,
+    KIND_HEADER,
+    MSG_ID_HEADER,
+    ORIGINAL_MSG_ID_HEADER,
+    ORIGINAL_SUBJECT_HEADER,
+    REASON_HEADER,
+    STAGE_HEADER,
+    STREAM_SEQ_HEADER,
+    TRUNCATED_HEADER,
+    BusError,
+    ClaimMissingError,
+    DeadLetter,
+    PublishResult,
+    _one_line,
+    _storage,
+)
+from rlbus.bus.retry import with_retry
 from rlbus.bus.state import RunState
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage
-from rlbus.codec import CodecError
 from rlbus.config.schema import BusConfig, RlbusConfig
-from rlbus.messages import Message, MessageError, decode, encode
-
-HEADER_HEADROOM = 8 * 1024
-"""Bytes of max_payload kept free for headers: a payload above max_payload - this goes by claim check."""
-DUPLICATE_WINDOW_S = 120.0
-DLQ_MAX_MSGS = 100_000
-DLQ_MAX_AGE_S = 7 * 24 * 3600.0
-MAX_REASON_CHARS = 1000
-ACK_TIMEOUT_S = 2.0
-"""Wait for an ack's answer; an unanswered ack is then checked against the stream, so this can be short."""
-ACK_IGNORED_TRIES = 2
-"""Unanswered acks, with the server up and the delivery still pending, before an ack is given up on."""
-
-CLAIM_HEADER = "Rlbus-Claim"
-CLAIM_SIZE_HEADER = "Rlbus-Claim-Size"
-KIND_HEADER = "Rlbus-Kind"
-REASON_HEADER = "Rlbus-Reason"
-STAGE_HEADER = "Rlbus-Stage"
-ORIGINAL_SUBJECT_HEADER = "Rlbus-Original-Subject"
-ORIGINAL_MSG_ID_HEADER = "Rlbus-Original-Msg-Id"
-DELIVERED_HEADER = "Rlbus-Delivered"
-STREAM_SEQ_HEADER = "Rlbus-Stream-Seq"
-CONSUMER_HEADER = "Rlbus-Consumer"
-TRUNCATED_HEADER = "Rlbus-Truncated"
-MSG_ID_HEADER = "Nats-Msg-Id"
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
-class BusError(RuntimeError):
-    """A bus operation that cannot succeed as asked (conflicting stream or consumer setup)."""
-
-
-class ClaimMissingError(LookupError):
-    """The Object Store no longer holds the bytes a claim-check message points at."""
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    """Where a publish landed. `claim` is the Object Store name when the payload went by claim check."""
-
-    stream: str
-    seq: int
-    duplicate: bool
-    size: int
-    claim: str | None = None
-
-
-class DeadLetter(NamedTuple):
-    """One entry of the dead-letter stream; unpacks as `(reason, headers, data)`."""
-
-    reason: str
-    headers: dict[str, str]
-    data: bytes
-
-
-T = TypeVar("T")
-
-
-def _one_line(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _storage(storage: str) -> js_api.StorageType:
-    if storage not in ("file", "memory"):
-        raise ValueError(f"storage must be 'file' or 'memory', not {storage!r}")
-    return js_api.StorageType.FILE if storage == "file" else js_api.StorageType.MEMORY
-
-
-class Delivery:
-    """One validated work item. Settle it exactly once: ack, nak, term or dead_letter."""
-
-    def __init__(self, consumer: Consumer, msg: Msg, message: Message, claim: str | None) -> None:
-        self._consumer = consumer
-        self.raw = msg
-        self.message = message
-        self.claim = claim
-        self.settled = False
-
-    @property
-    def num_delivered(self) -> int:
-        return int(self.raw.metadata.num_delivered)
-
-    @property
-    def stream_seq(self) -> int:
-        return int(self.raw.metadata.sequence.stream)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return dict(self.raw.headers or {})
-
-    def _settle(self) -> bool:
-        if self.settled:
-            return False
-        self.settled = True
-        return True
-
-    async def ack(self, timeout: float = ACK_TIMEOUT_S) -> bool:
-        """Ack and wait for the server's confirmation, then drop the claim-check object.
-
-        Through a NATS restart an ack may go unanswered: its reply was lost, or the restarted server
-        lost the delivery (a crash rolls consumer state back) and ignores acks for it. Every work
-        stream is a work queue, so an acked item has left its stream: that is checked after each
-        unanswered try. An ack that cannot be confirmed is logged and given up on (returns False)
-        instead of raising: the item comes back by redelivery, and every stage deduplicates (msg ids,
-        the learner's ledger). Its claim-check object is then kept for the redelivery.
-        """
-        if not self._settle():
-            return True
-        confirmed = await self._ack_through_reconnects(timeout)
-        if confirmed and self.claim:
-            await self._consumer.bus._delete_claim(self.claim)
-        return confirmed
-
-    async def _ack_through_reconnects(self, timeout: float) -> bool:
-        deadline = time.monotonic() + PUBLISH_DEADLINE_S
-        delay, ignored = 0.1, 0
-        while True:
-            try:
-                await self.raw.ack_sync(timeout=timeout)
-                return True
-            except RETRYABLE as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            fate = await self._consumer.bus._ack_fate(self.raw)
-            if fate == "gone":
-                return True  # the ack got through; only its answer was lost
-            if fate == "pending":
-                ignored += 1  # the server answers, still holds the delivery, and did not answer our ack
-            if fate == "forgotten" or ignored >= ACK_IGNORED_TRIES or time.monotonic() + delay >= deadline:
-                log.warning(
-                    "bus.ack_unconfirmed",
-                    stage=self._consumer.stage.value,
-                    seq=self.stream_seq,
-                    error=error,
-                    fate=fate or "server away",
-                    note="the item will be redelivered and deduplicated downstream",
-                )
-                return False
-            log.warning("bus.retry", what="ack", error=error, retry_in_s=round(delay, 2))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    async def nak(self, delay: float | None = None) -> None:
-        """Ask for redelivery (after `delay` s). On the last allowed delivery it dead-letters instead."""
-        if self.num_delivered >= self._consumer.max_deliver:
-            await self.dead_letter(f"failed on all {self._consumer.max_deliver} deliveries (last one nak'd)")
-            return
-        if not self._settle():
-            return
-        await self.raw.nak(delay=delay)
-
-    async def in_progress(self) -> None:
-        """Still working: restart the ack_wait clock (call it during long steps)."""
-        if not self.settled:
-            await self.raw.in_progress()
-
-    async def term(self) -> None:
-        """Drop the item for good (no dead letter) and its claim-check object."""
-        if not self._settle():
-            return
-        await self.raw.term()
-        if self.claim:
-            await self._consumer.bus._delete_claim(self.claim)
-
-    async def dead_letter(self, reason: str) -> None:
-        """A valid message the service cannot use: park it on the DLQ with `reason` and terminate it."""
-        if not self._settle():
-            return
-        await self._consumer._dead_letter(self.raw, reason)
-
-
-class Consumer:
-    """A pull consumer on one stage's work queue; replicas sharing `durable` share the work."""
-
-    def __init__(
-        self,
-        bus: Bus,
-        stage: Stage,
-        durable: str,
-        expected: type[Message] | None,
-        sub: JetStreamContext.PullSubscription,
-        ack_wait_s: float,
-        max_deliver: int,
-    ) -> None:
-        self.bus = bus
-        self.stage = stage
-        self.durable = durable
-        self.expected = expected
-        self.ack_wait_s = ack_wait_s
-        self.max_deliver = max_deliver
-        self.dead_letters = 0  # messages this consumer parked on the DLQ (for metrics)
-        self._sub = sub
-
-    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery]:
-        """Up to `batch` valid deliveries, waiting at most `timeout` s for the first; [] on timeout.
-
-        Invalid messages met on the way are dead-lettered and do not count; the wait goes on.
-        """
-        deadline = time.monotonic() + timeout
-        out: list[Delivery] = []
-        while not out:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0.01:
-                break
-            try:
-                msgs = await self._sub.fetch(batch=batch, timeout=max(remaining, 0.05))
-            except (TimeoutError, NatsTimeoutError):
-                break
-            except RETRYABLE as exc:  # the server is away: an empty batch, the caller loops anyway
-                log.warning("bus.fetch_failed", stage=self.stage.value, error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-                break
-            for msg in msgs:
-                delivery = await self._accept(msg)
-                if delivery is not None:
-                    out.append(delivery)
-        return out
-
-    async def _accept(self, msg: Msg) -> Delivery | None:
-        headers = msg.headers or {}
-        claim = headers.get(CLAIM_HEADER)
-        delivered = int(msg.metadata.num_delivered)
-        if delivered > self.max_deliver:
-            # The server allows one delivery more than max_deliver so that this one can park it.
-            await self._dead_letter(
-                msg, f"not acked after {self.max_deliver} deliveries (ack_wait {self.ack_wait_s}s)"
-            )
-            return None
-        try:
-            data = await self.bus._get_claim(claim) if claim else msg.data
-            message = decode(data, self.expected)
-        except (CodecError, MessageError, ClaimMissingError) as exc:
-            await self._dead_letter(msg, str(exc))
-            return None
-        except (TimeoutError, NatsTimeoutError, ConnectionError) as exc:
-            log.warning("bus.claim_fetch_failed", stage=self.stage.value, claim=claim, error=str(exc))
-            await msg.nak(delay=1.0)  # transient: try again later
-            return None
-        except Exception as exc:  # anything else a hostile or broken payload can raise while decoding
-            await self._dead_letter(msg, f"undecodable: {type(exc).__name__}: {exc}")
-            return None
-        return Delivery(self, msg, message, claim)
-
-    async def _dead_letter(self, msg: Msg, reason: str) -> None:
-        ok = await self.bus._publish_dead_letter(self.stage, msg, reason, self.durable)
-        if ok:
-            await msg.term()
-            self.dead_letters += 1
-        else:
-            await msg.nak(delay=1.0)  # the DLQ is unreachable: keep the item rather than lose it
-
-    async def pending(self) -> int:
-        """Items waiting for this consumer plus items handed out but not yet acked."""
-        info = await self._sub.consumer_info()
-        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-
-    async def close(self) -> None:
-        """Stop pulling; the durable consumer (and its un-acked items) stays on the server."""
-        try:
-            await self._sub.unsubscribe()
-        except Exception as exc:  # closing twice or on a closed connection is harmless
-            log.debug("bus.consumer_close", durable=self.durable, error=str(exc))
+from rlbus.messages import Message, encode
 
 
 class _Opening:

@@ -237,9 +237,11 @@ log "batches now scored by the user function (reward = 2 x accuracy) at step $(s
 
 # ---- 4. kill one rollout replica mid-run ---------------------------------------------------------------
 # Replicas here spend most of their time waiting for work or weights (the tiny model generates a batch
-# in ~0.1 s), so a kill at a random moment often finds nothing to redeliver. The victim is throttled to
-# 5% of a core first, and killed once NATS shows prompt work held un-acked; a survivor then logs
-# "work redelivered" after the 15 s ack wait. If the victim held nothing after all, nothing can come
+# in ~0.1 s), so a kill at a random moment often finds nothing to redeliver. The victim (a healthy
+# replica, never one just started) is throttled to 5% of a core first, and killed once NATS shows prompt
+# work held un-acked; a survivor then logs "work redelivered" once the rollout's short ack wait passes.
+# A throttled replica can be so slow that its work comes back before the kill: that counts too (the
+# survivors' logs are read from the throttle on). If the victim held nothing after all, nothing can come
 # back: the replica is replaced (`--scale rollout=3`) and another is tried, three times at most.
 ack_pending() {
     python3 - "$NATS_MONITOR_PORT" "$RLBUS_RUN__ID" <<'PY'
@@ -254,16 +256,30 @@ print(sum(
 ))
 PY
 }
-survivor_logs() {  # since the kill, of every rollout container but the victim
+survivor_logs() {  # since the victim was throttled, of every rollout container but the victim
     local c
     for c in $("${COMPOSE[@]}" ps -q rollout); do
-        [[ $c == "$victim" ]] || "$DOCKER" logs --since "$kill_ts" "$c" 2>&1
+        [[ $c == "$victim" ]] || "$DOCKER" logs --since "$throttle_ts" "$c" 2>&1
+    done
+}
+healthy_replica() {  # a running, healthy rollout container other than the ones already tried
+    local c
+    for c in $("${COMPOSE[@]}" ps -q rollout); do
+        [[ " $tried " == *" $c "* ]] && continue
+        [[ $("$DOCKER" inspect -f '{{.State.Health.Status}}' "$c") == healthy ]] && { echo "$c"; return; }
     done
 }
 learner=$(container learner)
 redelivered=""
+tried=""
 for attempt in 1 2 3; do
-    victim=$("${COMPOSE[@]}" ps -q rollout | sed -n 2p)
+    deadline=$((SECONDS + 120))
+    until victim=$(healthy_replica) && [[ -n $victim ]]; do
+        (( SECONDS < deadline )) || { states; log "no healthy rollout replica left to kill"; exit 1; }
+        sleep 1
+    done
+    tried+=" $victim"
+    throttle_ts=$(date +%s)
     "$DOCKER" update --cpus 0.05 "$victim" >/dev/null
     for _ in $(seq 50); do (( $(ack_pending) > 0 )) && break; sleep 0.2; done
     kill_ts=$(date +%s)

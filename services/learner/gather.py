@@ -1,0 +1,238 @@
+"""Ready groups into batches: each group routed (validation answer, batch member, overflow or dropped with a
+reason), the wait kept alive and explained, and a stall named when nothing arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from rlbus.config import RlbusConfig
+from rlbus.learner.dispatch import Dispatcher, Ledger
+from rlbus.learner.weight_push import WeightPusher
+from rlbus.messages import ReadyGroup
+from rlbus.notices import post_notice
+from rlbus.service import ServiceContext
+
+WAIT_LOG_EVERY_S = 10.0
+KEEPALIVE_EVERY_S = 10.0
+
+
+class LearnerStalled(RuntimeError):
+    """No ready group arrived for `trainer.batch_timeout_s`."""
+
+
+class Route(Enum):
+    """Where one ready group goes. Values that are drop reasons are the ledger's own words."""
+
+    VALIDATION = "validation"
+    LEFTOVER = "leftover"  # work of an earlier learner attempt: superseded, never trained
+    DUPLICATE = "duplicate"  # a redelivery raced its ack
+    FUTURE = "future_version"  # made with weights of a crashed attempt newer than the checkpoint
+    STALE = "stale"
+    ZERO_VARIANCE = "zero_variance"
+    OVERFLOW = "overflow"  # the batch is full and waits only for validation: kept for the next one
+    BATCH = "batch"
+
+
+DROPPED = (Route.FUTURE, Route.STALE, Route.ZERO_VARIANCE)
+
+
+def route(
+    group: ReadyGroup,
+    *,
+    version: int,
+    known: bool,
+    settled_or_batched: bool,
+    async_level: int,
+    dynamic_sampling: bool,
+    batch_full: bool,
+) -> Route:
+    """Pure routing of one ready group; `known`: dispatched by this attempt; `settled_or_batched`: already
+    trained, dropped or in the batch being gathered."""
+    if group.scored.trajectories.work.split == "val":
+        return Route.VALIDATION
+    lag = version - group.scored.trajectories.policy_version
+    if not known:
+        return Route.LEFTOVER
+    if settled_or_batched:
+        return Route.DUPLICATE
+    if lag < 0:
+        return Route.FUTURE
+    if lag > async_level:
+        return Route.STALE
+    if dynamic_sampling and len(set(group.scored.rewards)) == 1:
+        return Route.ZERO_VARIANCE
+    return Route.OVERFLOW if batch_full else Route.BATCH
+
+
+def validation_metrics(results: list[tuple[float, bool, int]]) -> dict[str, float]:
+    """Held-out scores from (reward, correct, policy version that answered) per validation prompt.
+
+    Validation work asks for the learner's version at dispatch and the step waits for it before the next
+    push, so every answer comes from exactly those weights; the record says which answered."""
+    if not results:
+        return {}
+    versions = [v for _, _, v in results]
+    return {
+        "val/accuracy": float(np.mean([c for _, c, _ in results])),
+        "val/reward_mean": float(np.mean([r for r, _, _ in results])),
+        "val/version": float(min(versions)),
+        "val/version_max": float(max(versions)),
+        "val/prompts": float(len(versions)),
+    }
+
+
+class GatherHost(Protocol):
+    """What the gatherer reads from (and asks of) the learner it gathers for."""
+
+    ctx: ServiceContext
+    cfg: RlbusConfig
+    run_dir: Path
+    version: int
+    ledger: Ledger
+    dispatcher: Dispatcher
+    pusher: WeightPusher
+    forced_push_at: float
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    async def push_current(self, reason: str = "start") -> None: ...
+
+    async def settle(self, delivery: Any, reason: str | None, step: int | None = None) -> None: ...
+
+
+class Gatherer:
+    """Collects one batch of ready groups for the learner, and the validation answers that come with it."""
+
+    def __init__(self, learner: GatherHost, consumer: Any) -> None:
+        self.learner = learner
+        self.consumer = consumer
+        self.overflow: list = []  # ready groups received while a full batch waited for validation
+        self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
+        self.val_results: list[tuple[float, bool, int]] = []
+        self.weights_behind = False  # a group came from weights this learner never made: push ours
+        self._refused_said: set[str] = set()
+
+    def validation_metrics(self) -> dict[str, float]:
+        return {} if self.val_pending else validation_metrics(self.val_results)
+
+    async def consider(self, d: Any, batch: list, need: int) -> None:
+        learner = self.learner
+        group: ReadyGroup = d.message
+        pid = group.scored.trajectories.work.prompt_id
+        ledger = learner.ledger
+        where = route(
+            group,
+            version=learner.version,
+            known=pid in ledger.dispatched and ledger.dropped.get(pid) != "resumed",
+            settled_or_batched=ledger.is_settled(pid)
+            or any(pid == b.message.scored.trajectories.work.prompt_id for b in batch),
+            async_level=learner.cfg.trainer.async_level,
+            dynamic_sampling=learner.cfg.algorithm.dynamic_sampling,
+            batch_full=len(batch) >= need,
+        )
+        if where is Route.VALIDATION:
+            if self.val_pending.pop(pid, None) is not None:
+                scored = group.scored
+                self.val_results.append(
+                    (scored.rewards[0], scored.correct[0], scored.trajectories.policy_version)
+                )
+            await d.ack()
+        elif where in (Route.LEFTOVER, Route.DUPLICATE):
+            if where is Route.LEFTOVER:
+                ledger.leftovers += 1
+            else:
+                ledger.duplicates += 1
+            await d.ack()
+        elif where in DROPPED:
+            await learner.settle(d, where.value)
+            self.weights_behind |= where is Route.FUTURE
+        elif where is Route.OVERFLOW:
+            self.overflow.append(d)
+        else:
+            batch.append(d)
+
+    async def gather(self, step: int, need: int) -> list:
+        """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked.
+
+        Validation groups that arrive meanwhile are scored into `val_results`; the batch is complete only
+        when the validation started for this step is complete too.
+        """
+        learner = self.learner
+        batch: list = []
+        started = last_log = last_keepalive = last_progress = time.monotonic()
+        while len(batch) < need or self.val_pending:
+            if learner.ctx.stop.is_set():
+                raise asyncio.CancelledError
+            if (
+                need and learner.pusher.pushed_version >= learner.version
+            ):  # never work for weights no replica has
+                await learner.dispatcher.top_up(learner.version, step, len(batch))
+            held, self.overflow = self.overflow, []
+            for d in held:
+                await self.consider(d, batch, need)
+            deliveries = await self.consumer.fetch(
+                batch=max(1, need - len(batch) + len(self.val_pending)), timeout=1.0
+            )
+            now = time.monotonic()
+            for d in deliveries:
+                await self.consider(d, batch, need)
+                last_progress = now
+            if not deliveries:
+                await learner.pusher.maintain(learner.named_weights, learner.version)
+            if self.weights_behind and now - learner.forced_push_at > 5.0:
+                self.weights_behind = False
+                await learner.push_current("a replica generated with weights newer than ours")
+            if now - last_keepalive > KEEPALIVE_EVERY_S:
+                for d in batch + self.overflow:
+                    await d.in_progress()
+                last_keepalive = now
+            if now - last_log > WAIT_LOG_EVERY_S:
+                await self._log_wait(step, len(batch), need, now - started)
+                last_log = now
+            if now - last_progress > learner.cfg.trainer.batch_timeout_s:
+                raise LearnerStalled(self._stall_reason(step, len(batch), need))
+        return batch
+
+    def _stall_reason(self, step: int, have: int, need: int) -> str:
+        learner = self.learner
+        why = (
+            f"replicas may be waiting for weights: {learner.pusher.status}"
+            if learner.pusher.status
+            else "are the rollout and reward services running? see `rlbus status`"
+        )
+        return (
+            f"no ready trajectories for {learner.cfg.trainer.batch_timeout_s:.0f}s at step {step} "
+            f"(have {have}/{need}, {learner.ledger.in_flight} prompts in flight); {why}"
+        )
+
+    async def _log_wait(self, step: int, have: int, need: int, waited_s: float) -> None:
+        """The log says what the learner waits for; the console hears it when the weight push is the
+        reason (or a replica was refused)."""
+        learner = self.learner
+        pusher = learner.pusher
+        learner.ctx.log.info(
+            "waiting for ready trajectories",
+            step=step,
+            have=have,
+            need=need,
+            in_flight=learner.ledger.in_flight,
+            replicas=sorted(await pusher.live_replicas()),
+            validation_pending=len(self.val_pending),
+            waited_s=round(waited_s),
+            weight_push=pusher.status or "ok",
+        )
+        for rid, why in list(pusher.refused.items()):
+            if rid not in self._refused_said:
+                self._refused_said.add(rid)
+                post_notice(learner.run_dir, "learner", f"replica {rid} refused: {why}")
+        if pusher.status:
+            post_notice(
+                learner.run_dir, "learner", f"step {step} waits ({have}/{need} groups): {pusher.status}"
+            )
