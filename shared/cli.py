@@ -84,7 +84,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    from rlbus.learner.preference_main import is_preference_run, run_preference
+    from rlbus.learner.preference.main import is_preference_run, run_preference
 
     if is_preference_run(cfg):
         return run_preference(cfg)

@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from rlbus.config import load_config
-from rlbus.learner import preference_main as pm
-from rlbus.learner.preference_data import (
+from rlbus.learner.preference import main as pm
+from rlbus.learner.preference.dataset import (
     make_synthetic_preferences,
     pair_batch,
     read_records,
@@ -29,6 +29,8 @@ from rlbus.learner.preference_data import (
     unpair,
     write_jsonl,
 )
+from rlbus.learner.preference import reference
+from rlbus.learner.preference.reference import ref_logps
 from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
 from rlbus.tasks import get_task
 from rlbus.tiny_model import default_model_path
@@ -170,7 +172,7 @@ def test_simpo_trains_without_a_reference(tmp_path: Path, monkeypatch: pytest.Mo
     def no_reference(*args, **kwargs):
         raise AssertionError("SimPO is reference-free: no reference log-probs may be computed")
 
-    monkeypatch.setattr(pm, "ref_logps", no_reference)
+    monkeypatch.setattr(reference, "ref_logps", no_reference)
     summary = pm.train_preference(_cfg(tmp_path, "preference.algorithm=simpo", "preference.save_model=false"))
     before, after = summary["before"], summary["after"]
     print("SimPO held-out", {k: (round(before[k], 4), round(after[k], 4)) for k in before})
@@ -253,8 +255,8 @@ def test_ref_service_gives_the_local_reference_logprobs(tmp_path: Path, nats_url
         pairs = tokenize_pairs(rows, tok, max_length=32)
         seqs = [(p.prompt_ids, c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
         cfg = load_config(None, [*overrides, "preference.ref_source=service"])
-        remote = pm.ref_logps(cfg, seqs, torch.device("cpu"), print)
-        local = pm.ref_logps(load_config(None, overrides), seqs, torch.device("cpu"), print)
+        remote = ref_logps(cfg, seqs, torch.device("cpu"), print)
+        local = ref_logps(load_config(None, overrides), seqs, torch.device("cpu"), print)
     finally:
         ref_proc.terminate()
         try:
