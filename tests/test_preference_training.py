@@ -20,6 +20,7 @@ import yaml
 
 from rlbus.config import load_config
 from rlbus.learner.preference import main as pm
+from rlbus.learner.preference import reference
 from rlbus.learner.preference.dataset import (
     make_synthetic_preferences,
     pair_batch,
@@ -29,7 +30,6 @@ from rlbus.learner.preference.dataset import (
     unpair,
     write_jsonl,
 )
-from rlbus.learner.preference import reference
 from rlbus.learner.preference.reference import ref_logps
 from rlbus.modeling import load_causal_lm, load_tokenizer, response_logprobs
 from rlbus.tasks import get_task

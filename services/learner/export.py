@@ -111,6 +111,9 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
     # LoRA: write the merged weights under the base names, a model any engine loads (not just the adapter)
     state = {k: v.detach().to("cpu") for k, v in full_state_items(model)} if lora else full_model_state(model)
     target = hf_module(model).get_base_model() if lora else hf_module(model)
+    # Gathered shards are separate tensors, so save_pretrained cannot see that tied weights are one:
+    # drop the tied copies as a one-process save does (the config ties them again on load).
+    state = {k: v for k, v in state.items() if k not in _tied_keys(target)}
     if _rank() == 0:
         old = out.with_name(out.name + ".old")
         if out.exists():

@@ -37,9 +37,9 @@ class PreferenceData:
     eval_unpaired: list[UnpairedExample]
 
 
-def _rows(cfg: RlbusConfig, run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def _rows(cfg: RlbusConfig, run_dir: Path | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(train rows, val rows or None). Without files, a synthetic set from `data.task`, written to the run
-    dir so the exact data a run trained on can be inspected and reused."""
+    dir (when given: rank 0 of a torchrun group) so the exact data a run trained on can be reused."""
     pcfg = cfg.preference
     if pcfg.train_files:
         return read_records(pcfg.train_files), (read_records(pcfg.val_files) if pcfg.val_files else None)
@@ -52,10 +52,14 @@ def _rows(cfg: RlbusConfig, run_dir: Path) -> tuple[list[dict[str, Any]], list[d
         )
     task = get_task(cfg.data.task, digits=cfg.data.task_digits)
     train = make_synthetic_preferences(
-        task, pcfg.synthetic_train_examples, pcfg.seed, "train", run_dir / "preferences_train.jsonl"
+        task,
+        pcfg.synthetic_train_examples,
+        pcfg.seed,
+        "train",
+        run_dir and run_dir / "preferences_train.jsonl",
     )
     val = make_synthetic_preferences(
-        task, pcfg.synthetic_val_examples, pcfg.seed, "val", run_dir / "preferences_val.jsonl"
+        task, pcfg.synthetic_val_examples, pcfg.seed, "val", run_dir and run_dir / "preferences_val.jsonl"
     )
     return train, val
 
@@ -64,7 +68,7 @@ def _is_unpaired(rows: list[dict[str, Any]], pcfg: PreferenceConfig) -> bool:
     return bool(rows) and pcfg.chosen_key not in rows[0] and pcfg.completion_key in rows[0]
 
 
-def build_data(cfg: RlbusConfig, tokenizer, run_dir: Path) -> PreferenceData:
+def build_data(cfg: RlbusConfig, tokenizer, run_dir: Path | None) -> PreferenceData:
     """Read, tokenise, truncate and split (held-out = val_files, else `eval_fraction` of train)."""
     pcfg = cfg.preference
     train_rows, val_rows = _rows(cfg, run_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,12 @@ def uses_average(pcfg: PreferenceConfig) -> bool:
 # forward passes and losses
 
 
+def compute_precision(model: torch.nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16/fp16 autocast over fp32 master weights where the model builder asked for it (one GPU)."""
+    amp = getattr(model, "_rlbus_autocast", None)
+    return torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+
+
 def policy_logps(
     model: torch.nn.Module,
     prompts: Sequence[list[int]],
@@ -43,7 +50,8 @@ def policy_logps(
     """Differentiable sequence log-probs [B] through `rlbus.modeling.token_logprobs`, the path the
     reference took, so that policy and reference agree exactly at step 0."""
     b = sequence_batch(prompts, completions, pad_id).to(device)
-    lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
+    with compute_precision(model, device):
+        lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
     return sequence_logps(lp, b.response_mask, average=average)
 
 
@@ -53,7 +61,8 @@ def pair_logps(
     """(chosen [B], rejected [B]) from one concatenated forward."""
     pb = pair_batch(pairs, pad_id)
     b = pb.sequences.to(device)
-    lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
+    with compute_precision(model, device):
+        lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
     seq = sequence_logps(lp, b.response_mask, average=average)
     return seq[: pb.size], seq[pb.size :]
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,11 @@ import torch
 
 from rlbus.config import RlbusConfig
 from rlbus.config.schema import PreferenceConfig
+from rlbus.config.training import OptimConfig
 from rlbus.learner.algorithms.preference import kto_loss
+from rlbus.learner.dist.context import DistContext, init_distributed
+from rlbus.learner.model import build_policy_model, clip_grad_norm
+from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.learner.preference.data import PreferenceData, Seq, build_data
 from rlbus.learner.preference.dataset import (
     kl_partners,
@@ -29,7 +34,7 @@ from rlbus.learner.preference.losses import (
     uses_average,
 )
 from rlbus.learner.preference.reference import RefValues, compute_ref_values
-from rlbus.modeling import load_causal_lm, load_tokenizer, pick_device
+from rlbus.modeling import load_tokenizer, pick_device
 
 # --------------------------------------------------------------------------------------------------
 # training
@@ -49,6 +54,7 @@ class Trainer:
     pad_id: int
     device: torch.device
     beta: float
+    ctx: DistContext = field(default_factory=DistContext)
 
     @property
     def pcfg(self) -> PreferenceConfig:
@@ -101,19 +107,31 @@ class Trainer:
         return _unpaired_stats(losses, rewards, desirable, logps)
 
     def step(self, batch: list[int]) -> dict[str, float]:
-        """One optimizer step over `batch` (indices), accumulated over micro-batches."""
+        """One optimizer step over `batch` (indices), accumulated over micro-batches.
+
+        Under torchrun each rank trains on its share of the batch (`rank_shares`) and every rank runs the
+        same number of forward/backward passes (each is a collective under FSDP2): a rank with fewer
+        micro-batches runs zero-weighted ones. The loss is scaled by world / batch so that FSDP's mean over
+        ranks gives exactly the gradient of the batch mean one process computes."""
         self.model.train()
         acc: dict[str, float] = {}
-        scale = 1.0 / len(batch)
+        world = self.ctx.world_size if self.ctx.distributed else 1
+        scale = world / len(batch)
         kl = self.kto_kl(batch) if self.pcfg.algorithm == "kto" else None
-        for micro in chunks(batch, self.pcfg.micro_batch_size):
-            _add(acc, self._kto_micro(micro, scale, kl) if kl is not None else self._pair_micro(micro, scale))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.pcfg.grad_clip)
+        shares = rank_shares(batch, world)
+        passes = max(len(chunks(share, self.pcfg.micro_batch_size)) for share in shares)
+        mine = chunks(shares[self.ctx.rank if world > 1 else 0], self.pcfg.micro_batch_size)
+        for i in range(passes):
+            micro, weight = (mine[i], scale) if i < len(mine) else ([batch[0]], 0.0)
+            stats = self._kto_micro(micro, weight, kl) if kl is not None else self._pair_micro(micro, weight)
+            if weight:
+                _add(acc, stats)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.pcfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = _finish(acc, len(batch))
+        out = _finish(sum_over_ranks(self.ctx, acc), len(batch))
         out.update(grad_norm=float(grad_norm), lr=float(lr))
         if kl is not None:
             out["kl"] = float(kl)
@@ -173,50 +191,82 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def build_optimizer(model: torch.nn.Module, pcfg: PreferenceConfig):
-    """AdamW with linear warmup over `lr_warmup_steps`, then a constant rate."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=pcfg.lr, weight_decay=pcfg.weight_decay)
-    warmup = pcfg.lr_warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-    )
-    return optimizer, scheduler
-
-
 def _log(msg: str) -> None:
     print(f"[preference] {msg}", file=sys.stderr, flush=True)
 
 
-def build_trainer(cfg: RlbusConfig, run_dir: Path) -> tuple[Trainer, Any]:
+def rank_shares(batch: list[int], world: int) -> list[list[int]]:
+    """The batch dealt into `world` contiguous shares, as even as possible (sizes differ by at most one)."""
+    base, extra = divmod(len(batch), world)
+    out, start = [], 0
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        out.append(batch[start : start + size])
+        start += size
+    return out
+
+
+def sum_over_ranks(ctx: DistContext, acc: dict[str, float]) -> dict[str, float]:
+    """Each statistic summed over the ranks (keys a rank lacks count as 0); unchanged on one process."""
+    if not ctx.distributed:
+        return acc
+    gathered: list[dict[str, float] | None] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, acc)
+    total: dict[str, float] = {}
+    for part in gathered:
+        _add(total, part or {})
+    return total
+
+
+def shared_ref_values(ctx: DistContext, compute: Callable[[], RefValues]) -> RefValues:
+    """Reference values computed once, on rank 0 (the only rank that may talk to the ref service), and
+    handed to the other ranks."""
+    if not ctx.distributed:
+        return compute()
+    box: list[RefValues | None] = [compute() if ctx.rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def preference_optim(pcfg: PreferenceConfig) -> OptimConfig:
+    """The preference keys as the RL learner's optimiser section: AdamW, linear warmup, then constant."""
+    return OptimConfig(
+        lr=pcfg.lr,
+        weight_decay=pcfg.weight_decay,
+        lr_warmup_steps=pcfg.lr_warmup_steps,
+        lr_scheduler="constant",
+    )
+
+
+def build_trainer(cfg: RlbusConfig, run_dir: Path, total: Callable[[int], int]) -> tuple[Trainer, Any]:
     """Data, reference log-probs (before the policy is loaded, so the two models never share memory),
-    then the trainable policy and its optimizer. Returns (trainer, tokenizer)."""
+    then the trainable policy (the RL learner's model path: FSDP2 under torchrun, LoRA, Liger, gradient
+    checkpointing) and its optimizer over `total(n_train)` steps. Returns (trainer, tokenizer)."""
     from rlbus.model_source import resolve_model_path
 
     pcfg = cfg.preference
     torch.manual_seed(pcfg.seed)
-    device = pick_device(cfg.trainer.device)
+    ctx = init_distributed(cfg.trainer.device)
+    device = ctx.device if ctx.initialized else pick_device(cfg.trainer.device)
     policy_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
     tokenizer = load_tokenizer(policy_path, cfg.model.trust_remote_code)
-    data = build_data(cfg, tokenizer, run_dir)
+    data = build_data(cfg, tokenizer, run_dir if ctx.is_leader else None)
     kl_seqs = kl_partners(data.train_unpaired, pcfg.seed) if pcfg.algorithm == "kto" else []
     n_train = len(data.train_unpaired) if pcfg.algorithm == "kto" else len(data.train_pairs)
     if n_train == 0:
         raise ValueError("no training examples left after holding out the eval split")
     _log(
         f"{pcfg.algorithm}: {n_train} train, {len(data.eval_pairs) or len(data.eval_unpaired)} held-out; "
-        f"policy {policy_path}; device {device}"
+        f"policy {policy_path}; device {device}; ranks {ctx.world_size}"
     )
-    ref = compute_ref_values(cfg, data, kl_seqs, device, _log)
-    model = load_causal_lm(
-        policy_path, cfg.model.dtype, device, trainable=True, trust_remote_code=cfg.model.trust_remote_code
-    )
-    if cfg.model.enable_gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.model.lora_rank:
-        _log("model.lora_rank is ignored here: preference training fine-tunes every weight")
+    ref = shared_ref_values(ctx, lambda: compute_ref_values(cfg, data, kl_seqs, device, _log))
+    if not ctx.initialized:
+        ctx = DistContext(device=device)
+    model = build_policy_model(cfg, policy_path, ctx)
     disable_dropout(model)
-    optimizer, scheduler = build_optimizer(model, pcfg)
+    optimizer = build_optimizer(model, preference_optim(pcfg))
+    scheduler = build_scheduler(optimizer, preference_optim(pcfg), total(n_train))
     trainer = Trainer(
         cfg,
         model,
@@ -228,5 +278,6 @@ def build_trainer(cfg: RlbusConfig, run_dir: Path) -> tuple[Trainer, Any]:
         int(tokenizer.pad_token_id),
         device,
         resolve_beta(pcfg),
+        ctx,
     )
     return trainer, tokenizer
