@@ -275,6 +275,7 @@ class Learner:
             t_pushed = time.perf_counter()
             tokens = int(batch.response_mask.sum())
             tokens_total += tokens
+            metrics.update(self._step_metrics(tokens, tokens_total / (time.perf_counter() - t_run)))
             metrics.update(
                 {
                     "timing/wait_batch_s": t_gathered - t_step,
@@ -282,32 +283,23 @@ class Learner:
                     "timing/settle_s": t_settled - t_trained,
                     "timing/weight_push_s": t_pushed - t_settled,  # the new version handed over and announced
                     "timing/step_s": t_pushed - t_step,
-                    "perf/tokens_per_s": tokens_total / (time.perf_counter() - t_run),
-                    "perf/step_tokens": float(tokens),
                     "perf/samples_per_s": batch.size / max(t_pushed - t_step, 1e-9),
-                    "learner/ranks": float(self.trainer.par.world_size),
-                    "policy/version": float(self.version),
-                    "staleness/dropped_total": float(self.ledger.dropped_count("stale")),
-                    "dapo/filtered_total": float(self.ledger.dropped_count("zero_variance")),
-                    "bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0)),
-                    "weights/push_failures": float(self.pusher.failures),
-                    "weights/handoff_s": float(self.pusher.last_seconds),
-                    "weights/ack_wait_s": float(self.pusher.last_ack_wait_seconds),
-                    "prompts/dispatched": float(len(self.ledger.dispatched)),
-                    "prompts/trained": float(len(self.ledger.trained)),
-                    "prompts/leftovers": float(self.ledger.leftovers),
-                    "prompts/dead_lettered": float(self.ledger.dropped_count(DEAD_LETTERED)),
                 }
             )
             self.writer.log(step + 1, metrics)
             self.ledger.save(ledger_path)
             if self._should_save(step + 1):
                 await self.checkpoint(step + 1)
+        await self._finish(ledger_path)
+        return 0
+
+    async def _finish(self, ledger_path: Path) -> None:
+        """After the last step: the final model, the last validation, what is still in flight."""
         from rlbus.learner.export import save_hf
 
         self.trainer.par.lead_call("save_hf", path=str(self.run_dir / "final"))  # ranks > 0 gather alongside
         await asyncio.to_thread(save_hf, self.trainer.model, self.tokenizer, self.run_dir / "final")
-        if cfg.trainer.test_freq > 0 and self.val_records:
+        if self.cfg.trainer.test_freq > 0 and self.val_records:
             await self.start_validation(self.total_steps)
             await self.gatherer.gather(self.total_steps, need=0)
             self.writer.log(
@@ -318,7 +310,26 @@ class Learner:
         self.ledger.save(ledger_path)
         self.writer.close()
         self.pusher.close()
-        return 0
+
+    def _step_metrics(self, tokens: int, tokens_per_s: float) -> dict[str, float]:
+        """The run's counters after a step: throughput, policy version, drops, pushes, the ledger."""
+        ledger, pusher = self.ledger, self.pusher
+        return {
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/step_tokens": float(tokens),
+            "learner/ranks": float(self.trainer.par.world_size),
+            "policy/version": float(self.version),
+            "staleness/dropped_total": float(ledger.dropped_count("stale")),
+            "dapo/filtered_total": float(ledger.dropped_count("zero_variance")),
+            "bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0)),
+            "weights/push_failures": float(pusher.failures),
+            "weights/handoff_s": float(pusher.last_seconds),
+            "weights/ack_wait_s": float(pusher.last_ack_wait_seconds),
+            "prompts/dispatched": float(len(ledger.dispatched)),
+            "prompts/trained": float(len(ledger.trained)),
+            "prompts/leftovers": float(ledger.leftovers),
+            "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
+        }
 
     async def validate_only(self) -> int:
         """trainer.val_only (verl): held-out scores of the starting (or resumed) policy, logged at its step."""

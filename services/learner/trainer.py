@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,13 +111,60 @@ class PolicyTrainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch = self.par.lead_train(batch)  # rank 0 of several: the other ranks train on it too
-        actor, algo = self.cfg.actor, self.cfg.algorithm
+        actor = self.cfg.actor
         mask = batch.response_mask
         minibatches = self._minibatches(batch)
-        needs_old_pass = actor.ppo_epochs * len(minibatches) > 1 or algo.use_kl_in_reward
+        needs_old_pass = actor.ppo_epochs * len(minibatches) > 1 or self.cfg.algorithm.use_kl_in_reward
         self.model.train()
         old_logprobs = self._logprobs_no_grad(batch, actor.ppo_micro_batch_size) if needs_old_pass else None
+        advantages, returns, values, shaping_metrics = self._advantages(batch, old_logprobs)
 
+        token_stats = _WeightedMeans()  # token-weighted means of per-token diagnostics
+        loss_sums: dict[str, float] = {}  # per mini-batch losses, summed over mini-batches
+        grad_norms: list[float] = []
+        agg: dict[str, Any] = dict(norm_length=self.cfg.data.max_response_length)
+        for _epoch in range(actor.ppo_epochs):
+            for mb_idx in minibatches:
+                mini = batch.select(mb_idx)
+                mini_adv = advantages[mb_idx]
+                mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
+                # global counts / world size: FSDP averages the ranks' gradients (see dist/__init__.py)
+                agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
+                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(
+                    min=1.0
+                ) / self.par.world_size
+                self.optimizer.zero_grad(set_to_none=True)
+                for idx, mb in self._micro_batches(mini):
+                    old = mini_old[idx] if mini_old is not None else None
+                    self._micro_step(mb, old, mini_adv[idx], agg, token_stats, loss_sums)
+                grad_norm = model_setup.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
+                grad_norms.append(float(grad_norm))
+                if math.isfinite(float(grad_norm)):
+                    self.optimizer.step()
+        dist_context.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
+        self.scheduler.step()
+        n_updates = actor.ppo_epochs * len(minibatches)
+        metrics = {k: v / n_updates for k, v in loss_sums.items()}
+        metrics.update(token_stats.means())
+        if "actor/kl" in metrics:
+            self.kl_ctrl.update(metrics["actor/kl"], batch.size)
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
+        metrics["actor/advantage_abs_mean"] = float(
+            (advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0)
+        )
+        metrics.update(shaping_metrics)
+        if self.critic is not None:  # critic hook: value regression on the same mini-batches
+            metrics.update(self.critic.update(batch, returns, values, minibatches))
+        self.par.end_op()
+        return metrics
+
+    def _advantages(
+        self, batch: TrainBatch, old_logprobs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """(advantages, returns, the critic's old values, reward-shaping metrics) of the whole batch."""
+        algo, mask = self.cfg.algorithm, batch.response_mask
         rewards, shaping_metrics = shaped_rewards(self.cfg, batch)  # DAPO overlong punishment hook
         kl_in_reward = None
         if algo.use_kl_in_reward and batch.ref_logprobs is not None and old_logprobs is not None:
@@ -145,92 +193,62 @@ class PolicyTrainer:
                 lam=algo.lam,
                 norm_by_std=algo.norm_adv_by_std_in_grpo,
             )
+        return advantages, returns, values, shaping_metrics
 
-        clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
-        clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-        token_stats = _WeightedMeans()  # token-weighted means of per-token diagnostics
-        loss_sums: dict[str, float] = {}  # per mini-batch losses, summed over mini-batches
-        grad_norms: list[float] = []
-        agg = dict(norm_length=self.cfg.data.max_response_length)
-        for _epoch in range(actor.ppo_epochs):
-            for mb_idx in minibatches:
-                mini = batch.select(mb_idx)
-                mini_adv = advantages[mb_idx]
-                mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
-                # global counts / world size: FSDP averages the ranks' gradients (see dist/__init__.py)
-                agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
-                agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(
-                    min=1.0
-                ) / self.par.world_size
-                self.optimizer.zero_grad(set_to_none=True)
-                for idx, mb in self._micro_batches(mini):
-                    m = mb.response_mask.to(self.device)
-                    logprobs, entropy = self._forward(mb, entropy=True)
-                    old = mini_old[idx].to(self.device) if mini_old is not None else logprobs.detach()
-                    behaviour = mb.behaviour_logprobs.to(self.device)
-                    is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
-                    adv = mini_adv[idx].to(self.device)
-                    if self.user_policy_loss is not None:
-                        pg_loss, stats = user_policy_loss(
-                            self.user_policy_loss, logprobs, old, adv, m, actor.loss_agg_mode, actor, is_w
-                        )
-                    else:
-                        pg_loss, stats = actor_policy_loss(
-                            actor.policy_loss,
-                            logprobs,
-                            old,
-                            adv,
-                            m,
-                            clip_low,
-                            clip_high,
-                            actor.clip_ratio_c,
-                            actor.loss_agg_mode,
-                            is_w,
-                            **agg,
-                        )
-                    loss = pg_loss
-                    if actor.entropy_coeff:
-                        loss = loss - actor.entropy_coeff * aggregate_loss(
-                            entropy, m, actor.loss_agg_mode, **agg
-                        )
-                    if mb.ref_logprobs is not None:
-                        kl_tok = kl_estimate(logprobs, mb.ref_logprobs.to(self.device), actor.kl_loss_type)
-                        if actor.use_kl_loss:
-                            loss = loss + actor.kl_loss_coef * aggregate_loss(
-                                kl_tok, m, actor.loss_agg_mode, **agg
-                            )
-                        token_stats.add("actor/kl", kl_tok.detach(), m)
-                    loss.backward()
-                    _add(loss_sums, "actor/pg_loss", pg_loss.item())
-                    _add(loss_sums, "actor/loss", loss.item())
-                    ntok = float(m.sum())
-                    for k, v in stats.items():
-                        token_stats.add_scalar(f"actor/{k}", float(v), ntok)
-                    token_stats.add("actor/entropy", entropy.detach(), m)
-                    token_stats.add("actor/is_weight_mean", is_w, m)
-                    token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
-                grad_norm = model_setup.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
-                grad_norms.append(float(grad_norm))
-                if math.isfinite(float(grad_norm)):
-                    self.optimizer.step()
-        dist_context.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
-        self.scheduler.step()
-        n_updates = actor.ppo_epochs * len(minibatches)
-        metrics = {k: v / n_updates for k, v in loss_sums.items()}
-        metrics.update(token_stats.means())
-        if "actor/kl" in metrics:
-            self.kl_ctrl.update(metrics["actor/kl"], batch.size)
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
-        metrics["actor/advantage_abs_mean"] = float(
-            (advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0)
-        )
-        metrics.update(shaping_metrics)
-        if self.critic is not None:  # critic hook: value regression on the same mini-batches
-            metrics.update(self.critic.update(batch, returns, values, minibatches))
-        self.par.end_op()
-        return metrics
+    def _micro_step(
+        self,
+        mb: TrainBatch,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        agg: dict[str, Any],
+        token_stats: _WeightedMeans,
+        loss_sums: dict[str, float],
+    ) -> None:
+        """Forward and backward of one micro-batch: policy loss, entropy bonus, KL loss; stats recorded."""
+        actor = self.cfg.actor
+        m = mb.response_mask.to(self.device)
+        logprobs, entropy = self._forward(mb, entropy=True)
+        old = old_logprobs.to(self.device) if old_logprobs is not None else logprobs.detach()
+        behaviour = mb.behaviour_logprobs.to(self.device)
+        is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
+        adv = advantages.to(self.device)
+        if self.user_policy_loss is not None:
+            pg_loss, stats = user_policy_loss(
+                self.user_policy_loss, logprobs, old, adv, m, actor.loss_agg_mode, actor, is_w
+            )
+        else:
+            clip_low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+            clip_high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+            pg_loss, stats = actor_policy_loss(
+                actor.policy_loss,
+                logprobs,
+                old,
+                adv,
+                m,
+                clip_low,
+                clip_high,
+                actor.clip_ratio_c,
+                actor.loss_agg_mode,
+                is_w,
+                **agg,
+            )
+        loss = pg_loss
+        if actor.entropy_coeff:
+            loss = loss - actor.entropy_coeff * aggregate_loss(entropy, m, actor.loss_agg_mode, **agg)
+        if mb.ref_logprobs is not None:
+            kl_tok = kl_estimate(logprobs, mb.ref_logprobs.to(self.device), actor.kl_loss_type)
+            if actor.use_kl_loss:
+                loss = loss + actor.kl_loss_coef * aggregate_loss(kl_tok, m, actor.loss_agg_mode, **agg)
+            token_stats.add("actor/kl", kl_tok.detach(), m)
+        loss.backward()
+        _add(loss_sums, "actor/pg_loss", pg_loss.item())
+        _add(loss_sums, "actor/loss", loss.item())
+        ntok = float(m.sum())
+        for k, v in stats.items():
+            token_stats.add_scalar(f"actor/{k}", float(v), ntok)
+        token_stats.add("actor/entropy", entropy.detach(), m)
+        token_stats.add("actor/is_weight_mean", is_w, m)
+        token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
 
 
 def shaped_rewards(cfg: RlbusConfig, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
