@@ -181,6 +181,97 @@ def gpu_env(gpus: int) -> dict[str, str]:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
+@dataclass
+class Outcome:
+    """How a run ended, as far as the launcher is concerned."""
+
+    rc: int | None = None
+    refused: ServiceProcess | None = None  # its configuration cannot work: a restart would loop forever
+    gave_up: tuple[ServiceProcess, int] | None = None  # kept dying: (service, last exit code)
+
+
+class Console:
+    """What the `rlbus up` terminal shows: a progress line per step and the services' notices, each once."""
+
+    def __init__(self, cfg: RlbusConfig, run_dir: Path) -> None:
+        self.total_steps = cfg.trainer.total_training_steps
+        self.run_dir = run_dir
+        self.metrics = MetricsTail(run_dir)
+        notices_file = run_dir / NOTICES_FILE
+        # a resume's old notices were said already
+        self.notices_at = notices_file.stat().st_size if notices_file.exists() else 0
+        self.said: set[str] = set()
+
+    def update(self) -> None:
+        for row in self.metrics.new_rows():
+            print(progress_line(int(row["step"]), self.total_steps, row), flush=True)
+        rows, self.notices_at = read_notices(self.run_dir, self.notices_at)
+        for row in rows:
+            text = f"rlbus: {row.get('service', '?')}: {row.get('text', '')}"
+            if text not in self.said:  # a wait repeated every 10 s is said once
+                self.said.add(text)
+                print(text, file=sys.stderr, flush=True)
+
+
+def tend(procs: list[ServiceProcess], supervisor: Supervisor, cfg: RlbusConfig) -> Outcome | None:
+    """One look at every service: the learner done ends the run; a dead service is restarted (the
+    learner from its last checkpoint), or ends the run when it refused its config or kept dying."""
+    learner = procs[-1]
+    if learner.proc is not None and learner.proc.poll() == 0:  # the run is done
+        return Outcome(rc=0)
+    for p in procs:
+        code = p.proc.poll() if p.proc is not None else None
+        action = supervisor.on_exit(p.name, code, time.monotonic())
+        if action is Action.REFUSED:
+            log.error(
+                "service refused its configuration; stopping the run", service=p.name, log=str(p.log_path)
+            )
+            return Outcome(rc=EXIT_REFUSED, refused=p)
+        if action is Action.STOP:
+            return Outcome(rc=int(code or 1))
+        if action is Action.GIVE_UP:
+            return Outcome(rc=int(code or 1), gave_up=(p, int(code or 1)))
+        if action is Action.RESTART:
+            n = supervisor.restarts[p.name]
+            log.warning(
+                "service exited; restarting it",
+                service=p.name,
+                rc=code,
+                restart=n,
+                max_restarts=cfg.run.max_restarts,
+                log=str(p.log_path),
+            )
+            print(
+                f"rlbus: {p.name} exited with {code}; restarting it ({n}/{cfg.run.max_restarts})"
+                + (", from its last checkpoint" if p is learner else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            p.start()
+    return None
+
+
+def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> None:
+    """The last line a user reads when the run did not end well: which service, why, which log."""
+    if outcome.refused is not None:
+        where = outcome.refused.log_path
+        print(
+            f"rlbus: {outcome.refused.name} refused its configuration; see {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif outcome.gave_up is not None:
+        p, code = outcome.gave_up
+        print(
+            f"rlbus: {p.name} kept dying (exit {code} after {cfg.run.max_restarts} restarts, "
+            f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {p.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif outcome.rc not in (0, None):
+        print(f"rlbus: learner exited with {outcome.rc}; see {learner.log_path}", file=sys.stderr, flush=True)
+
+
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
     gpus = visible_gpus()
@@ -205,79 +296,19 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     old_int = signal.signal(signal.SIGINT, _stop)
     old_term = signal.signal(signal.SIGTERM, _stop)
     print(f"rlbus: run {cfg.run.id} in {run_dir} (logs in {run_dir / 'logs'})", flush=True)
-    learner = procs[-1]
-    refused = None
-    metrics = MetricsTail(run_dir)
-    notices_file = run_dir / NOTICES_FILE
-    # a resume's old notices were said already
-    notices_at = notices_file.stat().st_size if notices_file.exists() else 0
-    said: set[str] = set()
-
-    def show_notices() -> None:
-        nonlocal notices_at
-        rows, notices_at = read_notices(run_dir, notices_at)
-        for row in rows:
-            text = f"rlbus: {row.get('service', '?')}: {row.get('text', '')}"
-            if text not in said:  # a wait repeated every 10 s is said once
-                said.add(text)
-                print(text, file=sys.stderr, flush=True)
-
+    console = Console(cfg, run_dir)
     supervisor = Supervisor(cfg.run.max_restarts, cfg.run.restart_backoff_s)
-    gave_up: tuple[ServiceProcess, int] | None = None
-    rc: int | None = None
+    outcome = Outcome(rc=130)  # stopped by a signal, unless the loop says otherwise
     try:
         for p in procs:
             p.start()
         while not stopping:
             time.sleep(1.0)
-            for row in metrics.new_rows():
-                print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
-            show_notices()
-            if learner.proc is not None and learner.proc.poll() == 0:  # the run is done
-                rc = 0
+            console.update()
+            ended = tend(procs, supervisor, cfg)
+            if ended is not None:
+                outcome = ended
                 break
-            for p in procs:
-                code = p.proc.poll() if p.proc is not None else None
-                action = supervisor.on_exit(p.name, code, time.monotonic())
-                if action is Action.REFUSED:  # its configuration cannot work: a restart would loop forever
-                    refused = p
-                elif action is Action.STOP:
-                    rc = int(code or 1)
-                elif action is Action.GIVE_UP:
-                    gave_up = (p, int(code or 1))
-                elif action is Action.RESTART:
-                    n = supervisor.restarts[p.name]
-                    log.warning(
-                        "service exited; restarting it",
-                        service=p.name,
-                        rc=code,
-                        restart=n,
-                        max_restarts=cfg.run.max_restarts,
-                        log=str(p.log_path),
-                    )
-                    print(
-                        f"rlbus: {p.name} exited with {code}; restarting it ({n}/{cfg.run.max_restarts})"
-                        + (", from its last checkpoint" if p is learner else ""),
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    p.start()
-                if refused is not None or gave_up is not None or rc is not None:
-                    break
-            if refused is not None:
-                log.error(
-                    "service refused its configuration; stopping the run",
-                    service=refused.name,
-                    log=str(refused.log_path),
-                )
-                rc = EXIT_REFUSED
-                break
-            if gave_up is not None:
-                rc = gave_up[1]
-            if rc is not None:
-                break
-        if rc is None:
-            rc = 130  # stopped by a signal
     finally:
         for p in reversed(procs):
             p.stop()
@@ -285,22 +316,6 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             server.stop()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
-    for row in metrics.new_rows():
-        print(progress_line(int(row["step"]), cfg.trainer.total_training_steps, row), flush=True)
-    show_notices()
-    if refused is not None:
-        print(
-            f"rlbus: {refused.name} refused its configuration; see {refused.log_path}",
-            file=sys.stderr,
-            flush=True,
-        )
-    elif gave_up is not None:
-        print(
-            f"rlbus: {gave_up[0].name} kept dying (exit {gave_up[1]} after {cfg.run.max_restarts} restarts, "
-            f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {gave_up[0].log_path}",
-            file=sys.stderr,
-            flush=True,
-        )
-    elif rc not in (0, None):
-        print(f"rlbus: learner exited with {rc}; see {learner.log_path}", file=sys.stderr, flush=True)
-    return int(rc or 0)
+    console.update()
+    say_outcome(outcome, procs[-1], cfg)
+    return int(outcome.rc or 0)
