@@ -17,7 +17,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -272,6 +274,56 @@ def evaluate_accuracy(
     return correct / len(examples)
 
 
+@dataclass
+class SftResult:
+    steps_done: int = 0
+    reached: bool = False
+    loss: float = float("nan")
+    history: list[dict] = field(default_factory=list)
+
+
+def _warm_start(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Any,
+    stop_set: list,
+    *,
+    seed: int,
+    sft_steps: int,
+    target: float | None,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    eval_every: int,
+    say: Callable[[str], None],
+) -> SftResult:
+    """SFT until the sampled accuracy on `stop_set` reaches `target` (checked every `eval_every` steps)."""
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) if warmup_steps else 1.0
+    )
+    result = SftResult()
+    model.train()
+    for step in range(1, sft_steps + 1):
+        batch = _collate(tokenizer, task.make_examples("train", batch_size, seed=seed * 1_000_003 + step))
+        loss = model(**batch).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        result.steps_done = step
+        result.loss = float(loss.detach())
+        if target is not None and (step % eval_every == 0 or step == sft_steps):
+            acc = evaluate_accuracy(model, tokenizer, task, stop_set, temperature=1.0, seed=seed + step)
+            result.history.append({"step": step, "loss": round(result.loss, 5), "val_sampled_accuracy": acc})
+            say(f"step {step} loss {result.loss:.4f} val sampled accuracy {acc:.3f}")
+            if acc >= target:
+                result.reached = True
+                break
+    return result
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     task: str = "addition",
@@ -317,37 +369,20 @@ def build_tiny_model(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            optim, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) if warmup_steps else 1.0
+        sft = _warm_start(
+            model,
+            tokenizer,
+            the_task,
+            the_task.make_examples("val", eval_examples, seed=seed),
+            seed=seed,
+            sft_steps=sft_steps,
+            target=target_sampled_accuracy,
+            batch_size=batch_size,
+            lr=lr,
+            warmup_steps=warmup_steps,
+            eval_every=eval_every,
+            say=say,
         )
-        stop_set = the_task.make_examples("val", eval_examples, seed=seed)
-        history: list[dict] = []
-        steps_done = 0
-        reached = False
-        loss_value = float("nan")
-        model.train()
-        for step in range(1, sft_steps + 1):
-            batch = _collate(
-                tokenizer, the_task.make_examples("train", batch_size, seed=seed * 1_000_003 + step)
-            )
-            loss = model(**batch).loss
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            sched.step()
-            steps_done = step
-            loss_value = float(loss.detach())
-            if target_sampled_accuracy is not None and (step % eval_every == 0 or step == sft_steps):
-                acc = evaluate_accuracy(
-                    model, tokenizer, the_task, stop_set, temperature=1.0, seed=seed + step
-                )
-                history.append({"step": step, "loss": round(loss_value, 5), "val_sampled_accuracy": acc})
-                say(f"step {step} loss {loss_value:.4f} val sampled accuracy {acc:.3f}")
-                if acc >= target_sampled_accuracy:
-                    reached = True
-                    break
         model.eval()
         final_set = the_task.make_examples("val", final_eval_examples, seed=seed + 1)
         sampled = evaluate_accuracy(model, tokenizer, the_task, final_set, temperature=1.0, seed=seed + 7)
@@ -365,21 +400,21 @@ def build_tiny_model(
         "digits": digits,
         "seed": seed,
         "sft_steps": sft_steps,
-        "sft_steps_done": steps_done,
+        "sft_steps_done": sft.steps_done,
         "target_sampled_accuracy": target_sampled_accuracy,
-        "target_reached": reached,
+        "target_reached": sft.reached,
         "batch_size": batch_size,
         "lr": lr,
         "warmup_steps": warmup_steps,
         "eval_every": eval_every,
         "eval_examples": eval_examples,
         "final_eval_examples": len(final_set),
-        "final_train_loss": round(loss_value, 5),
+        "final_train_loss": round(sft.loss, 5),
         "val_accuracy_sampled_t1": sampled,
         "val_accuracy_greedy": greedy,
         "max_new_tokens": the_task.max_new_tokens,
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "history": history,
+        "history": sft.history,
         "versions": {
             "rlbus": __version__,
             "torch": torch.__version__,
