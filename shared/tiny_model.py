@@ -274,6 +274,20 @@ def evaluate_accuracy(
     return correct / len(examples)
 
 
+def _fresh_model(tokenizer: Any, seed: int) -> torch.nn.Module:
+    """A randomly initialised tiny Qwen2 (seeded), generating with the tokenizer's special tokens."""
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(make_config(tokenizer)).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
 @dataclass
 class SftResult:
     steps_done: int = 0
@@ -297,7 +311,9 @@ def _warm_start(
     eval_every: int,
     say: Callable[[str], None],
 ) -> SftResult:
-    """SFT until the sampled accuracy on `stop_set` reaches `target` (checked every `eval_every` steps)."""
+    """SFT: prompt + answer + eos, loss on the answer tokens (and eos) only, AdamW with a linear warm-up,
+    one fresh batch of train examples per step. Every `eval_every` steps the sampled (T=1) accuracy on
+    `stop_set` is measured; SFT stops at the first that reaches `target` (None: all `sft_steps`)."""
     optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)) if warmup_steps else 1.0
@@ -340,19 +356,10 @@ def build_tiny_model(
     num_threads: int | None = 1,
     log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Build the tokenizer and a tiny Qwen2, warm-start it by SFT on `task`, save all into `out_dir`.
-
-    SFT: prompt + answer + eos, loss on the answer tokens (and eos) only, AdamW with a linear
-    warm-up, one fresh batch of train examples per step. Every `eval_every` steps the sampled (T=1)
-    accuracy on `eval_examples` val examples is measured; SFT stops at the first that reaches
-    `target_sampled_accuracy` (None: run all `sft_steps`). Everything is seeded and runs on
-    `num_threads` CPU threads (1 makes it bit-for-bit reproducible), so the same arguments give the
-    same model and the same numbers. Writes config.json, generation_config.json, model.safetensors,
-    the tokenizer files and `rlbus_tiny.json` (build parameters and measured accuracies, which is
-    also returned, with `build_seconds` added).
-    """
-    from transformers import GenerationConfig, Qwen2ForCausalLM
-
+    """Build the tokenizer and a tiny Qwen2, warm-start it by SFT on `task` (`_warm_start`), save all
+    into `out_dir`. Seeded and run on `num_threads` CPU threads (1 makes it bit-for-bit reproducible).
+    Writes the model, tokenizer and `rlbus_tiny.json` (build parameters and measured accuracies, which
+    is also returned, with `build_seconds` added)."""
     t0 = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -361,14 +368,7 @@ def build_tiny_model(
 
     with _torch_threads(num_threads):
         tokenizer = make_tokenizer()
-        torch.manual_seed(seed)
-        config = make_config(tokenizer)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        model = _fresh_model(tokenizer, seed)
         sft = _warm_start(
             model,
             tokenizer,
@@ -390,10 +390,6 @@ def build_tiny_model(
 
     model.save_pretrained(str(out))
     save_tokenizer(tokenizer, out)
-    import transformers
-
-    from rlbus import __version__
-
     info = {
         "format": FORMAT_VERSION,
         "task": the_task.name,
@@ -415,14 +411,18 @@ def build_tiny_model(
         "max_new_tokens": the_task.max_new_tokens,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "history": sft.history,
-        "versions": {
-            "rlbus": __version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "versions": _versions(),
     }
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return {**info, "build_seconds": round(time.monotonic() - t0, 2)}
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from rlbus import __version__
+
+    return {"rlbus": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def read_info(model_dir: str | os.PathLike) -> dict:

@@ -201,24 +201,11 @@ class WeightPusher:
         except (WeightSyncError, torch.cuda.OutOfMemoryError) as exc:
             self.transports = None
             return self._failed(version, f"preparing the push: {exc}", "group")
-        reform = not self._same_members(transports, live) or (
-            bool(group_ids) and (self.sender is None or not self.sender.is_open)
-        )
-        new_group = bool(group_ids) and reform
-        if reform:
-            self.epoch += 1  # a replica skips an (epoch, version) it already took: a new epoch is always news
-            ranks, nxt = {}, 1
-            for rid in group_ids:
-                ranks[rid] = nxt
-                nxt += live[rid].ranks
-            try:
-                world, port = nxt, (free_port(self.host) if group_ids else 0)
-            except OSError as exc:
-                self.transports = None
-                return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
-        else:
-            ranks = self.ranks
-            world, port = 1 + sum(live[r].ranks for r in group_ids), self.port
+        try:
+            ranks, world, port, new_group = self._group_layout(transports, live, group_ids)
+        except OSError as exc:
+            self.transports = None
+            return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
         ann = WeightAnnouncement(
             run_id=self.ctx.cfg.run.id,
             version=version,
@@ -260,6 +247,23 @@ class WeightPusher:
             seconds=round(self.last_seconds, 4),
         )
         return True
+
+    def _group_layout(
+        self, transports: dict[str, str], live: dict, group_ids: list[str]
+    ) -> tuple[dict[str, int], int, int, bool]:
+        """(ranks, world size, port, whether the group is new): the same group when its members are, else
+        a new epoch with ranks dealt in order and a fresh port (OSError when none is free)."""
+        reform = not self._same_members(transports, live) or (
+            bool(group_ids) and (self.sender is None or not self.sender.is_open)
+        )
+        if not reform:
+            return self.ranks, 1 + sum(live[r].ranks for r in group_ids), self.port, False
+        self.epoch += 1  # a replica skips an (epoch, version) it already took: a new epoch is always news
+        ranks, nxt = {}, 1
+        for rid in group_ids:
+            ranks[rid] = nxt
+            nxt += live[rid].ranks
+        return ranks, nxt, (free_port(self.host) if group_ids else 0), bool(group_ids)
 
     def _prepare(
         self, named_weights, group: bool, ipc: bool, backend: str | None

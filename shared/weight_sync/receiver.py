@@ -158,17 +158,7 @@ class WeightReceiver:
                 yield [(m.name, t) for m, t in zip(bucket_metas, tensors, strict=True)]
             footer = _control(group, None)
             finished = True
-            if footer[0] != _FOOTER_MAGIC:
-                raise WeightSyncError("push footer has no magic: the group is out of step")
-            sent_sum = _bits_float(footer[1])
-            if footer[2] == _STATUS_MISMATCH:
-                raise WeightSyncError("the sender reports its tensors changed between plan and send: discard")
-            if not checksums_match(sent_sum, got_sum, got_abs):
-                raise WeightSyncError(
-                    f"checksum mismatch: sender {sent_sum!r}, received {got_sum!r}: discard"
-                )
-            if not checksums_match(plan_checksum, got_sum, got_abs):
-                raise WeightSyncError(f"checksum mismatch: announced {plan_checksum!r}, received {got_sum!r}")
+            _check_footer(footer, plan_checksum, got_sum, got_abs)
         except _SenderAborted:
             finished = True  # the sender stopped after that bucket: nothing to drain
             raise
@@ -235,3 +225,16 @@ class WeightReceiver:
         group, self._group, self._key = self._group, None, None
         if group is not None:
             group.close()
+
+
+def _check_footer(footer: list[int], plan_checksum: float, got_sum: float, got_abs: float) -> None:
+    """The push is whole only when the footer is in step and every checksum agrees with what arrived."""
+    if footer[0] != _FOOTER_MAGIC:
+        raise WeightSyncError("push footer has no magic: the group is out of step")
+    sent_sum = _bits_float(footer[1])
+    if footer[2] == _STATUS_MISMATCH:
+        raise WeightSyncError("the sender reports its tensors changed between plan and send: discard")
+    if not checksums_match(sent_sum, got_sum, got_abs):
+        raise WeightSyncError(f"checksum mismatch: sender {sent_sum!r}, received {got_sum!r}: discard")
+    if not checksums_match(plan_checksum, got_sum, got_abs):
+        raise WeightSyncError(f"checksum mismatch: announced {plan_checksum!r}, received {got_sum!r}")

@@ -194,20 +194,8 @@ class WeightSender:
                 if buf is None or buf.numel() < need:  # its previous broadcast (k-2) has completed
                     buf = buffers[k % 2] = torch.empty(need, dtype=torch.uint8, device=group.device)
                 wire = buf[:need]
-                failure: BaseException | None = None
-                try:
-                    tensors = self._take(iterator, metas)
-                    if k == n - 1 and next(iterator, None) is not None:
-                        raise WeightSyncError(f"more tensors than the plan's {len(plan.metas)}")
-                    if self.verify:
-                        sent_sum += sum(_sum_and_abs(t, with_abs=False)[0] for t in tensors)
-                    flatten_into(tensors, wire)
-                    del tensors
-                    seal_bucket(wire, k)
-                except Exception as exc:  # noqa: BLE001 - anything from the caller's iterator
-                    failure = exc
-                    wire.zero_()
-                    seal_bucket(wire, k, abort=True)
+                bucket_sum, failure = self._fill(wire, iterator, metas, k, k == n - 1, len(plan.metas))
+                sent_sum += bucket_sum
                 if pending is not None:
                     pending.wait()
                     pending = None
@@ -219,16 +207,7 @@ class WeightSender:
             if pending is not None:
                 pending.wait()
                 pending = None
-            mismatch = self.verify and not checksums_match(plan.checksum, sent_sum)
-            footer_sum = sent_sum if self.verify else plan.checksum
-            _control(
-                group, [_FOOTER_MAGIC, _float_bits(footer_sum), _STATUS_MISMATCH if mismatch else _STATUS_OK]
-            )
-            if mismatch:
-                raise WeightSyncError(
-                    f"sent tensors sum to {sent_sum!r}, the plan announced {plan.checksum!r}: the weights changed "
-                    "between plan() and send()"
-                )
+            self._send_footer(group, plan, sent_sum)
         except WeightSyncError:
             if group.broken:
                 self.close()
@@ -248,6 +227,38 @@ class WeightSender:
             self.last_send_seconds = time.monotonic() - start
             self.last_send_bytes = sent_bytes
             self.last_send_buckets = n
+
+    def _fill(
+        self, wire: torch.Tensor, iterator: Iterator, metas: list[TensorMeta], k: int, last: bool, total: int
+    ) -> tuple[float, BaseException | None]:
+        """Bucket k's tensors packed and sealed into `wire`: (their sum when verifying, None), or, when the
+        caller's iterator fails, an ABORT-sealed bucket and the failure (the receivers must still get it)."""
+        try:
+            tensors = self._take(iterator, metas)
+            if last and next(iterator, None) is not None:
+                raise WeightSyncError(f"more tensors than the plan's {total}")
+            bucket_sum = sum(_sum_and_abs(t, with_abs=False)[0] for t in tensors) if self.verify else 0.0
+            flatten_into(tensors, wire)
+            del tensors
+            seal_bucket(wire, k)
+            return bucket_sum, None
+        except Exception as exc:  # noqa: BLE001 - anything from the caller's iterator
+            wire.zero_()
+            seal_bucket(wire, k, abort=True)
+            return 0.0, exc
+
+    def _send_footer(self, group: WeightGroup, plan: SendPlan, sent_sum: float) -> None:
+        """The footer: what was sent sums to what the plan announced, or every receiver drops the push."""
+        mismatch = self.verify and not checksums_match(plan.checksum, sent_sum)
+        footer_sum = sent_sum if self.verify else plan.checksum
+        _control(
+            group, [_FOOTER_MAGIC, _float_bits(footer_sum), _STATUS_MISMATCH if mismatch else _STATUS_OK]
+        )
+        if mismatch:
+            raise WeightSyncError(
+                f"sent tensors sum to {sent_sum!r}, the plan announced {plan.checksum!r}: the weights changed "
+                "between plan() and send()"
+            )
 
     @staticmethod
     def _take(
