@@ -61,6 +61,7 @@ demo:
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	MYPY=$(VENV)/bin/mypy bash scripts/typecheck.sh
 
 format:
 	$(VENV)/bin/ruff check --fix .

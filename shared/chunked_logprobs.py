@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -90,7 +91,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, compute_dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, compute_dtype):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
@@ -108,7 +109,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk, dtype = ctx.temperature, ctx.chunk, ctx.compute_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -175,7 +176,7 @@ def logprob_head(model: nn.Module, input_ids: torch.Tensor, temperature: float, 
     """While active, the model's ``lm_head`` returns ``[B, L-1, 2]`` (log-prob, entropy) of each next token of
     ``input_ids`` in place of logits. The head still runs inside the model's own forward, so FSDP2's hooks
     (which gather the root's parameters, the output projection among them) see an ordinary call."""
-    head = model.get_output_embeddings()
+    head = cast(Any, model).get_output_embeddings()
     targets = input_ids[:, 1:]
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:

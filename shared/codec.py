@@ -22,7 +22,7 @@ class CodecError(ValueError):
 def _array_header_and_bytes(obj: Any) -> tuple[str, list[int], memoryview] | None:
     if isinstance(obj, np.ndarray):
         arr = np.ascontiguousarray(obj)
-        return arr.dtype.str, list(arr.shape), memoryview(arr).cast("B") if arr.size else memoryview(b"")
+        return arr.dtype.str, list(arr.shape), arr.data.cast("B") if arr.size else memoryview(b"")
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a hard dependency, but the codec does not need it
@@ -31,9 +31,9 @@ def _array_header_and_bytes(obj: Any) -> tuple[str, list[int], memoryview] | Non
         t = obj.detach().cpu().contiguous()
         if t.dtype == torch.bfloat16:
             raw = t.view(torch.uint16).numpy()
-            return _BF16, list(t.shape), memoryview(raw).cast("B") if raw.size else memoryview(b"")
+            return _BF16, list(t.shape), raw.data.cast("B") if raw.size else memoryview(b"")
         arr = t.numpy()
-        return arr.dtype.str, list(arr.shape), memoryview(arr).cast("B") if arr.size else memoryview(b"")
+        return arr.dtype.str, list(arr.shape), arr.data.cast("B") if arr.size else memoryview(b"")
     return None
 
 

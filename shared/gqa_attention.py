@@ -70,6 +70,7 @@ def gqa_sdpa_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    assert attention_mask is not None  # `folds` requires it
     out = folded_gqa_sdpa(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None  # [B, L, H, D], like sdpa_attention_forward
 

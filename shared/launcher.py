@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
@@ -17,6 +18,9 @@ from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
+
+if TYPE_CHECKING:
+    from rlbus.bus import LocalNatsServer
 
 log = get_logger("launcher")
 
@@ -125,7 +129,7 @@ def service_processes(
     return procs
 
 
-def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, object | None]:
+def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, LocalNatsServer | None]:
     """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any."""
     from rlbus.bus import resolve_bus_url
 

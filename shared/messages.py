@@ -6,7 +6,7 @@ Each later stage wraps the earlier message, so nothing a stage learnt is ever lo
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, overload
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError
@@ -33,6 +33,9 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
     kind: ClassVar[str]
+
+
+M = TypeVar("M", bound=Message)
 
 
 class SamplingParams(BaseModel):
@@ -195,6 +198,14 @@ class MessageError(ValueError):
 def encode(message: Message) -> bytes:
     body = message.model_dump(mode="python")
     return codec.pack({"kind": message.kind, "v": SCHEMA_VERSION, "body": body})
+
+
+@overload
+def decode(data: bytes, expected: type[M]) -> M: ...
+
+
+@overload
+def decode(data: bytes, expected: None = None) -> Message: ...
 
 
 def decode(data: bytes, expected: type[Message] | None = None) -> Message:

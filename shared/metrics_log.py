@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ class MetricsWriter:
     def __init__(
         self,
         run_dir: Path,
-        loggers: list[str],
+        loggers: Sequence[str],
         total_steps: int | None = None,
         project: str = "rlbus",
         experiment: str = "run",

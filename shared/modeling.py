@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def load_causal_lm(
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )
-    model.to(device if isinstance(device, torch.device) else torch.device(device))
+    cast(Any, model).to(device if isinstance(device, torch.device) else torch.device(device))
     if trainable:
         model.train()
     else:
@@ -139,6 +139,46 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """cumsum(mask) - 1 with pads at 0: the same rule `generate` uses, so any padding side agrees."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 0)
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: Literal[False] = False,
+    chunk_tokens: int = ...,
+    **attention_kwargs: Any,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: Literal[True],
+    chunk_tokens: int = ...,
+    **attention_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = ...,
+    chunk_tokens: int = ...,
+    **attention_kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_logprobs(
@@ -208,7 +248,7 @@ def response_logprobs(
         ps, rs = prompts[start : start + step], responses[start : start + step]
         ids, mask, pos, _ = pad_batch(ps, rs, pad_id)
         lp = token_logprobs(model, ids.to(device), mask.to(device), pos.to(device), temperature)
-        lp = lp.cpu().numpy().astype(np.float32)
+        rows = lp.cpu().numpy().astype(np.float32)
         for b, (p, r) in enumerate(zip(ps, rs, strict=True)):
-            result.append(lp[b, len(p) - 1 : len(p) - 1 + len(r)].copy())
+            result.append(rows[b, len(p) - 1 : len(p) - 1 + len(r)].copy())
     return result

@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +148,7 @@ async def run_service(
     finally:
         await bus.close()
         if health is not None:
-            await _maybe_await(health.stop())
+            health.stop()
         if server is not None:
             server.stop()
 
@@ -159,5 +159,5 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
-def run_sync(coro_factory: Callable[[], Awaitable[int]]) -> int:
+def run_sync(coro_factory: Callable[[], Coroutine[Any, Any, int]]) -> int:
     return asyncio.run(coro_factory())

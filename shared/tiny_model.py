@@ -274,12 +274,12 @@ def evaluate_accuracy(
     return correct / len(examples)
 
 
-def _fresh_model(tokenizer: Any, seed: int) -> torch.nn.Module:
+def _fresh_model(tokenizer: Any, seed: int) -> Any:
     """A randomly initialised tiny Qwen2 (seeded), generating with the tokenizer's special tokens."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(make_config(tokenizer)).to(torch.float32)
+    model = Qwen2ForCausalLM(make_config(tokenizer)).float()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -166,8 +166,9 @@ class IpcWeightSender:
                 del items
                 self._metas = metas
             else:
-                metas, buffer = self._metas, self._buffer
-                assert buffer is not None
+                metas, maybe = self._metas, self._buffer
+                assert maybe is not None
+                buffer = maybe
                 self._refill(named_tensors, metas, buffer)
             checksum, _ = device_checksum(dtype_runs(buffer, metas))
             torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before anyone is told

@@ -47,7 +47,7 @@ def device_place(device: object) -> DevicePlace:
     """The place of a torch device in this process (CUDA index resolved to its UUID)."""
     import torch
 
-    dev = torch.device(device)  # type: ignore[arg-type]
+    dev = torch.device(str(device)) if not isinstance(device, torch.device) else device
     if dev.type != "cuda":
         return DevicePlace("cpu")
     index = dev.index if dev.index is not None else torch.cuda.current_device()

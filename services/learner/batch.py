@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,20 +32,19 @@ class TrainBatch:
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def select(self, idx: torch.Tensor | list[int]) -> TrainBatch:
+    def select(self, idx: torch.Tensor | Sequence[int]) -> TrainBatch:
         idx_t = torch.as_tensor(idx, dtype=torch.long)
-        pick = lambda t: None if t is None else t[idx_t]  # noqa: E731
         return TrainBatch(
-            input_ids=pick(self.input_ids),
-            attention_mask=pick(self.attention_mask),
-            position_ids=pick(self.position_ids),
-            response_mask=pick(self.response_mask),
-            behaviour_logprobs=pick(self.behaviour_logprobs),
-            ref_logprobs=pick(self.ref_logprobs),
-            rewards=pick(self.rewards),
-            correct=pick(self.correct),
-            group_ids=pick(self.group_ids),
-            policy_versions=pick(self.policy_versions),
+            input_ids=self.input_ids[idx_t],
+            attention_mask=self.attention_mask[idx_t],
+            position_ids=self.position_ids[idx_t],
+            response_mask=self.response_mask[idx_t],
+            behaviour_logprobs=self.behaviour_logprobs[idx_t],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[idx_t],
+            rewards=self.rewards[idx_t],
+            correct=self.correct[idx_t],
+            group_ids=self.group_ids[idx_t],
+            policy_versions=self.policy_versions[idx_t],
             temperature=self.temperature,
         )
 

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -192,7 +192,7 @@ def _unb64(s: str) -> torch.Tensor:
 
 def rng_state() -> dict[str, Any]:
     """Every RNG the learner touches, JSON-able."""
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
     py_state = random.getstate()
     state: dict[str, Any] = {
         "torch": _b64(torch.get_rng_state()),
@@ -345,7 +345,7 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
             f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}"
         )
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path / "state"))
@@ -360,7 +360,7 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
         if not (path / "critic").exists():
             raise CheckpointError(f"{path}: this run has a critic but the checkpoint holds none")
         c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
-        c_state = {"model": c_model, "optim": c_optim}
+        c_state: dict[str, Any] = {"model": c_model, "optim": c_optim}
         with _single_process_quiet():
             dcp.load(c_state, checkpoint_id=str(path / "critic"))
         set_state_dict(
@@ -442,7 +442,8 @@ def rewind_metrics(run_dir: str | os.PathLike, step: int) -> int:
     path = Path(run_dir) / METRICS_FILE
     if _rank() != 0 or not path.exists():
         return 0
-    keep, gone = [], []
+    keep: list[str] = []
+    gone: list[str] = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)

@@ -16,6 +16,7 @@ mini-/micro-batches as the policy update, with its own AdamW.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
-        hidden = backbone.config.hidden_size
+        hidden = int(cast(Any, backbone).config.hidden_size)
         self.value_head = nn.Linear(hidden, 1, dtype=torch.float32)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -81,7 +82,7 @@ class Critic:
         if cfg.model.enable_gradient_checkpointing and hasattr(
             self.model.backbone, "gradient_checkpointing_enable"
         ):
-            self.model.backbone.gradient_checkpointing_enable()
+            cast(Any, self.model.backbone).gradient_checkpointing_enable()
         # the policy's builders: critic.optim.eps now counts too (it was left at torch's default)
         self.optimizer = build_optimizer(self.model, cfg.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.critic.optim, total_steps)
@@ -117,7 +118,7 @@ class Critic:
         mask = batch.response_mask
         minibatches = minibatches or [list(range(batch.size))]
         micro = actor.ppo_micro_batch_size
-        agg: dict[str, torch.Tensor] = {}  # value regression is per token: token-mean over the mini-batch
+        agg: dict[str, Any] = {}  # value regression is per token: token-mean over the mini-batch
         self.model.train()
         vf_loss_sum, clip_sum, tokens, grad_norms, n_updates = 0.0, 0.0, 0.0, [], 0
         for _epoch in range(actor.ppo_epochs):
@@ -157,7 +158,7 @@ class Critic:
             "critic/vf_loss": vf_loss_sum / max(1, n_updates),
             "critic/vf_clipfrac": clip_sum / max(1.0, tokens),
             "critic/grad_norm": sum(grad_norms) / max(1, len(grad_norms)),
-            "critic/lr": self.scheduler.get_last_lr()[0],
+            "critic/lr": float(self.scheduler.get_last_lr()[0]),
             "critic/values_mean": float(masked_mean(old_values, mask)),
             "critic/returns_mean": float(masked_mean(returns, mask)),
             "critic/explained_variance": explained_variance(old_values, returns, mask),
@@ -170,7 +171,7 @@ class Critic:
             "scheduler": self.scheduler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

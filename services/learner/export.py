@@ -96,7 +96,7 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     opts = StateDictOptions(full_state_dict=dist_on, cpu_offload=dist_on)
     state = get_model_state_dict(model, options=opts)
-    return {k: v.detach().to("cpu") for k, v in state.items()}
+    return {k: v.detach().to("cpu") for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
@@ -110,7 +110,8 @@ def save_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike) 
     lora = is_lora(model)
     # LoRA: write the merged weights under the base names, a model any engine loads (not just the adapter)
     state = {k: v.detach().to("cpu") for k, v in full_state_items(model)} if lora else full_model_state(model)
-    target = hf_module(model).get_base_model() if lora else hf_module(model)
+    hf: Any = hf_module(model)
+    target = hf.get_base_model() if lora else hf
     # Gathered shards are separate tensors, so save_pretrained cannot see that tied weights are one:
     # drop the tied copies as a one-process save does (the config ties them again on load).
     state = {k: v for k, v in state.items() if k not in _tied_keys(target)}

@@ -50,7 +50,7 @@ def _forward_logprobs(
             return_entropy=entropy,
             chunk_tokens=chunk,
         )
-        lp, ent = out if entropy else (out, None)
+        lp, ent = _with_entropy(out)
         pad = width - w
         if pad:
             lp = torch.nn.functional.pad(lp, (0, pad))
@@ -75,7 +75,7 @@ def _forward_logprobs(
         chunk_tokens=chunk,
         **bounds,
     )
-    lp_p, ent_p = out if entropy else (out, None)
+    lp_p, ent_p = _with_entropy(out)
     # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
     offsets = torch.cumsum(lengths, 0) - lengths
     n_pred = (lengths - 1).clamp(min=0)
@@ -89,3 +89,10 @@ def _forward_logprobs(
         return base.index_put((rows, cols), values[0, src])
 
     return scatter(lp_p), scatter(ent_p) if ent_p is not None else None
+
+
+def _with_entropy(
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`' answer as (log-probs, entropy or None)."""
+    return out if isinstance(out, tuple) else (out, None)

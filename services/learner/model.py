@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         ctx.initialized and ctx.device.type == "cuda" and mcfg.dtype != "float32" and not master_in_optimizer
     )
     attn = packed_attention(ctx.device, torch_dtype(mcfg.dtype)) if mcfg.use_remove_padding else "sdpa"
-    model = load_causal_lm(
+    model: nn.Module = load_causal_lm(
         model_path,
         "float32" if mixed else mcfg.dtype,
         "cpu" if fsdp else ctx.device,
@@ -71,14 +71,14 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
             layer.compile()
     if mcfg.enable_gradient_checkpointing:
         # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mcfg.lora_rank > 0:
         model = apply_lora(model, mcfg.lora_rank, mcfg.lora_alpha, mcfg.target_modules, cfg.trainer.seed)
     if fsdp:
         shard_model(model, ctx, torch_dtype(mcfg.dtype) if mixed else None, offload=offload)
     elif mixed:  # one GPU: the same numerics without FSDP's per-layer hooks (fp32 master, bf16 compute)
-        model._rlbus_autocast = torch_dtype(mcfg.dtype)
-    model._rlbus_master_in_optimizer = master_in_optimizer  # rlbus.learner.optim.build_optimizer reads it
+        model._rlbus_autocast = torch_dtype(mcfg.dtype)  # type: ignore[assignment]  # a flag, not a submodule
+    model._rlbus_master_in_optimizer = master_in_optimizer  # type: ignore[assignment]  # read by optim.build_optimizer
     return model
 
 
@@ -124,7 +124,7 @@ def apply_lora(
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks (``_no_split_modules`` of the HF model): one FSDP unit each."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -198,8 +198,9 @@ def _lora_delta(model: nn.Module, module_path: str) -> torch.Tensor | None:
                     "LoRA on embeddings: leave embed_tokens out of model.target_modules"
                 )
             continue
-        a = _full(module.lora_A[adapter].weight).float()
-        b = _full(module.lora_B[adapter].weight).float()
+        lora: Any = module
+        a = _full(lora.lora_A[adapter].weight).float()
+        b = _full(lora.lora_B[adapter].weight).float()
         if a.dim() != 2:
             raise NotImplementedError(f"LoRA merge of {type(module).__name__} at {module_path}")
         delta = (b @ a) * module.scaling[adapter]

@@ -149,13 +149,14 @@ class PolicyTrainer:
         if "actor/kl" in metrics:
             self.kl_ctrl.update(metrics["actor/kl"], batch.size)
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["actor/kl_coef"] = float(self.kl_ctrl.value)
         metrics["actor/advantage_abs_mean"] = float(
             (advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0)
         )
         metrics.update(shaping_metrics)
         if self.critic is not None:  # critic hook: value regression on the same mini-batches
+            assert values is not None  # the critic gave the old values
             metrics.update(self.critic.update(batch, returns, values, minibatches))
         self.par.end_op()
         return metrics
@@ -208,6 +209,7 @@ class PolicyTrainer:
         actor = self.cfg.actor
         m = mb.response_mask.to(self.device)
         logprobs, entropy = self._forward(mb, entropy=True)
+        assert entropy is not None  # asked for
         old = old_logprobs.to(self.device) if old_logprobs is not None else logprobs.detach()
         behaviour = mb.behaviour_logprobs.to(self.device)
         is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)

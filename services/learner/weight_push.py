@@ -25,7 +25,7 @@ import torch
 from rlbus.messages import IpcBuffer, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext
 from rlbus.weight_ipc import IpcWeightSender
-from rlbus.weight_sync import SendPlan, WeightSender, WeightSyncError, free_port, plan_buckets
+from rlbus.weight_sync import Backend, SendPlan, WeightSender, WeightSyncError, free_port, plan_buckets
 from rlbus.weight_transport import (
     DevicePlace,
     PlacementError,
@@ -249,7 +249,7 @@ class WeightPusher:
         return True
 
     def _group_layout(
-        self, transports: dict[str, str], live: dict, group_ids: list[str]
+        self, transports: dict[str, Transport], live: dict[str, LiveReplica], group_ids: list[str]
     ) -> tuple[dict[str, int], int, int, bool]:
         """(ranks, world size, port, whether the group is new): the same group when its members are, else
         a new epoch with ranks dealt in order and a fresh port (OSError when none is free)."""
@@ -266,14 +266,14 @@ class WeightPusher:
         return ranks, nxt, (free_port(self.host) if group_ids else 0), bool(group_ids)
 
     def _prepare(
-        self, named_weights, group: bool, ipc: bool, backend: str | None
+        self, named_weights, group: bool, ipc: bool, backend: Backend | None
     ) -> tuple[SendPlan, dict | None]:
         """The plan (names, shapes, buckets, checksum), with the IPC buffer filled when IPC replicas need it."""
         if group and (self.sender is None or self.sender.backend != backend):
             if self.sender is not None:
                 self.sender.close()
             self.sender = WeightSender(
-                backend=backend,
+                backend=backend or "gloo",
                 host=self.host,
                 timeout_s=self.timeout_s,
                 bucket_bytes=self.bucket_bytes,

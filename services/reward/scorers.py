@@ -39,7 +39,20 @@ def _as_reward(value: Any) -> tuple[float, bool]:
     return reward, reward > 0
 
 
-class TaskScorer:
+class PerItemScorer:
+    """A scorer of one item at a time; `score_batch` loops (the reward service batches only `batched` ones)."""
+
+    name = "per-item"
+    batched = False
+
+    def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
+        raise NotImplementedError
+
+    def score_batch(self, items: list[Item]) -> list[tuple[float, bool]]:
+        return [self.score(prompt, response, meta) for prompt, response, meta in items]
+
+
+class TaskScorer(PerItemScorer):
     """The verifier of each example's own task (meta['task']): addition, countdown, gsm8k, ..."""
 
     name = "task"
@@ -101,7 +114,7 @@ class FunctionScorer:
         self._sandbox.close()
 
 
-class HTTPScorer:
+class HTTPScorer(PerItemScorer):
     """POSTs {prompt, response, meta} as JSON; expects {"reward": x, "correct": b} back."""
 
     batched = False

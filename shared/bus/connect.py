@@ -122,7 +122,7 @@ async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> 
         secrets.append(split.username)  # nats://<token>@host: the user part is the token
     tls = _tls_context(cfg)
     auth = _auth_options(cfg)
-    state = {"connected": False, "last_error": None}
+    state: dict[str, Any] = {"connected": False, "last_error": None}
     auth_failed = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
@@ -188,7 +188,7 @@ async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> 
     with contextlib.suppress(Exception):
         await nc.close()
     why = "authorization failed" if auth_failed.is_set() else f"no answer within {wait_s:.0f}s"
-    error = _safe_error(state["last_error"], secrets)  # type: ignore[arg-type]
+    error = _safe_error(state["last_error"], secrets)
     log.error("bus.connect_failed", name=name, url=safe_url, reason=why, error=error)
     raise BusConnectError(f"cannot connect to NATS at {safe_url}: {why} ({error})")
 

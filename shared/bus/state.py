@@ -180,8 +180,8 @@ class RunState:
             except Exception as exc:  # one broken writer must not hide the others
                 log.warning("bus.bad_heartbeat", key=key, error=str(exc))
                 continue
-            beats.append(hb)  # type: ignore[arg-type]
-        return beats  # type: ignore[return-value]
+            beats.append(hb)
+        return beats
 
     async def live(self, service: str, max_age_s: float) -> list[Heartbeat]:
         """Instances of `service` whose last heartbeat (by its own timestamp) is at most `max_age_s` old."""

@@ -117,6 +117,10 @@ class CriticConfig(Section):
     value_loss_coef: float = Field(0.5, ge=0.0)
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+DEFAULT_LOGGERS: tuple[LoggerName, ...] = ("console", "jsonl", "tensorboard")
+
+
 class TrainerConfig(Section):
     total_epochs: int = Field(1, ge=1)
     total_training_steps: int | None = Field(
@@ -132,7 +136,7 @@ class TrainerConfig(Section):
         False, description="verl: validate the starting policy once, then stop (no training)"
     )
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl", "tensorboard"], description="one name or a list"
+        default_factory=lambda: list(DEFAULT_LOGGERS), description="one name or a list"
     )
     project_name: str = "rlbus"
     experiment_name: str = "demo"

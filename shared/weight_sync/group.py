@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -277,7 +277,7 @@ class WeightGroup:
 
     @staticmethod
     def _make_gloo(store: dist.Store, rank: int, world: int, timeout_s: float, addr: str, port: int) -> Any:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = cast(Any, dist.ProcessGroupGloo)._Options()  # torch's private options type: a socket timeout
         opts._timeout = timedelta(seconds=timeout_s)
         if os.environ.get("GLOO_SOCKET_IFNAME"):
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]

@@ -114,13 +114,13 @@ class WeightReceiver:
         if group is None:
             raise WeightSyncError("the weight receiver is not connected: call connect() first")
         metas = list(metas)
-        buckets = [list(b) for b in buckets]
-        _validate_buckets(metas, buckets)
+        bucket_lists = [list(b) for b in buckets]
+        _validate_buckets(metas, bucket_lists)
         start = time.monotonic()
         received = 0
         got_sum = 0.0
         got_abs = 0.0
-        n = len(buckets)
+        n = len(bucket_lists)
         pending: tuple[_Pending, torch.Tensor] | None = None
         next_k = 0  # first bucket not yet posted
         header_done = False
@@ -128,7 +128,7 @@ class WeightReceiver:
         try:
             header = _control(group, None)
             header_done = True
-            self._check_header(header, group, metas, buckets)
+            self._check_header(header, group, metas, bucket_lists)
             plan_checksum = _bits_float(header[3])
             if checksum is not None and not _same_float(float(checksum), plan_checksum):
                 raise _Corrupt(
@@ -136,9 +136,9 @@ class WeightReceiver:
                     "(stale or out-of-order announcement)"
                 )
             if n:
-                pending = self._post(group, metas, buckets[0])
+                pending = self._post(group, metas, bucket_lists[0])
                 next_k = 1
-            for k, bucket in enumerate(buckets):
+            for k, bucket in enumerate(bucket_lists):
                 assert pending is not None
                 work, wire = pending
                 pending = None
@@ -146,7 +146,7 @@ class WeightReceiver:
                 if _trailer(wire)[0] == _ABORT_MAGIC:  # the sender stops here: post nothing more
                     raise _SenderAborted(f"bucket {k}: the sender aborted this push (see the learner's log)")
                 if next_k < n:  # keep the wire busy while we verify and hand out this bucket
-                    pending = self._post(group, metas, buckets[next_k])
+                    pending = self._post(group, metas, bucket_lists[next_k])
                     next_k += 1
                 bucket_metas = [metas[i] for i in bucket]
                 tensors = unflatten_bucket(unseal_bucket(wire, k), bucket_metas)
@@ -168,7 +168,7 @@ class WeightReceiver:
             raise
         finally:
             if not finished and header_done and group.is_open:
-                self._drain(group, metas, buckets, pending, next_k)
+                self._drain(group, metas, bucket_lists, pending, next_k)
             self.last_receive_seconds = time.monotonic() - start
             self.last_receive_bytes = received
 

@@ -238,7 +238,7 @@ def actor_policy_loss(
     clip_ratio_c: float,
     loss_agg_mode: str,
     is_weights: torch.Tensor | None = None,
-    **agg: int | float | torch.Tensor | None,
+    **agg: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`actor.policy_loss` with verl's conventions: ``vanilla`` (and its alias ``dual_clip``) is the clipped
     surrogate with the dual clip on negative advantages; ``gspo`` aggregates seq-mean-token-mean whatever

@@ -72,7 +72,7 @@ def build_data(cfg: RlbusConfig, tokenizer, run_dir: Path | None) -> PreferenceD
     """Read, tokenise, truncate and split (held-out = val_files, else `eval_fraction` of train)."""
     pcfg = cfg.preference
     train_rows, val_rows = _rows(cfg, run_dir)
-    trunc = dict(
+    trunc: dict[str, Any] = dict(
         max_length=pcfg.max_length, max_prompt_length=pcfg.max_prompt_length, append_eos=pcfg.append_eos
     )
     pair_keys = (pcfg.prompt_key, pcfg.chosen_key, pcfg.rejected_key)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -101,17 +102,18 @@ async def _service_ref_logps_async(cfg: RlbusConfig, seqs: Sequence[Seq], log: C
                     f"{cfg.run.id}?"
                 )
             for d in await consumer.fetch(batch=64, timeout=2.0):
-                pid = d.message.scored.trajectories.work.prompt_id
+                ready = cast(ReadyGroup, d.message)  # the consumer validated it as one
+                pid = ready.scored.trajectories.work.prompt_id
                 if pid not in pending:
                     await d.ack()  # an answer to an earlier attempt of this run: nobody else wants it
                     continue
-                for i, lp in zip(pending.pop(pid), d.message.ref_logprobs or [], strict=True):
+                for i, lp in zip(pending.pop(pid), ready.ref_logprobs or [], strict=True):
                     out[i] = np.asarray(lp, dtype=np.float32)
                 await d.ack()
         await consumer.close()
     finally:
         await bus.close()
-    return out  # type: ignore[return-value]
+    return out
 
 
 def ref_logps(

@@ -188,7 +188,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+            module.attention_dropout = 0.0  # type: ignore[assignment]  # a float attribute, not a submodule
 
 
 def _log(msg: str) -> None:

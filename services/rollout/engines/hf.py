@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class _StopOnStrings(StoppingCriteria):
         gen = input_ids[:, self.prompt_width :]
         tails = gen[:, -self.window :].tolist()
         done = [_tail_has_stop(self.tokenizer, t, self.stops) for t in tails]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        return cast(torch.BoolTensor, torch.tensor(done, dtype=torch.bool, device=input_ids.device))
 
 
 def _bucket_rows(rows: int, cap: int) -> int:
@@ -158,11 +158,18 @@ class HFEngine(RolloutEngine):
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Batches requests with equal sampling params; a seeded request runs alone so its seed alone decides it."""
-        results: list[list[Completion] | None] = [None] * len(requests)
+        results: list[list[Completion]] = [[] for _ in requests]
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             sp = req.sampling
-            key = (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, tuple(sp.stop), sp.ignore_eos)
+            key: tuple[Any, ...] = (
+                sp.temperature,
+                sp.top_p,
+                sp.top_k,
+                sp.max_tokens,
+                tuple(sp.stop),
+                sp.ignore_eos,
+            )
             if sp.seed is not None:
                 key = (*key, "seed", sp.seed, i)
             groups.setdefault(key, []).append(i)
@@ -180,10 +187,8 @@ class HFEngine(RolloutEngine):
                         self._calls += 1
                     done.extend(self._generate_rows([p for _, p in chunk], sampling, seed))
                 for (i, _), comp in zip(rows, done, strict=True):
-                    if results[i] is None:
-                        results[i] = []
                     results[i].append(comp)
-        return [r if r is not None else [] for r in results]
+        return results
 
     def _generation_config(self, sp: SamplingParams) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
@@ -238,7 +243,7 @@ class HFEngine(RolloutEngine):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
-            out = self.model.generate(
+            out = cast(Any, self.model).generate(
                 input_ids=ids,
                 attention_mask=mask,
                 generation_config=self._generation_config(sp),
@@ -271,7 +276,7 @@ class HFEngine(RolloutEngine):
                 end, reason, stop_by = t + 1, "stop", "stop_string"
                 break
         resp = tokens[:end]
-        text = self.tokenizer.decode(resp, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = str(self.tokenizer.decode(resp, skip_special_tokens=True, clean_up_tokenization_spaces=False))
         extra = {"stop_by": stop_by} if stop_by else {}
         return Completion(resp, np.asarray(logprobs[:end], dtype=np.float32), text, reason, extra)
 

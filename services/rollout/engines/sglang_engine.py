@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -342,7 +342,7 @@ class SGLangWeightSender:
             [],
             Backend(self.backend),
             PrefixStore(group_name, store),
-            group_name=group_name,
+            group_name=cast(Any, group_name),  # torch's GroupName is a str NewType
             timeout=timeout,
         )
         _world.pg_group_ranks[pg] = {i: i for i in range(world)}

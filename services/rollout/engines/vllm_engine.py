@@ -43,7 +43,7 @@ import threading
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -275,7 +275,10 @@ class VLLMEngine(RolloutEngine):
                         rescore.append((i, k))
                     else:
                         lp = np.asarray(
-                            [_position_logprob(pos, t) for pos, t in zip(o.logprobs, tokens, strict=True)],
+                            [
+                                _position_logprob(pos, t)
+                                for pos, t in zip(cast(Any, o.logprobs), tokens, strict=True)
+                            ],
                             dtype=np.float32,
                         )
                     reason = o.finish_reason if o.finish_reason in ("stop", "length", "abort") else "stop"
@@ -341,6 +344,7 @@ class VLLMEngine(RolloutEngine):
             results = self._llm.generate(prompts, params, use_tqdm=False)
             for j, t, res in zip(todo, temps, results, strict=True):
                 p, r = rows[j]
+                assert res.prompt_logprobs is not None  # asked for (prompt_logprobs=0 or -1)
                 positions = res.prompt_logprobs[len(p) : len(p) + len(r)]
                 if t == 1.0:
                     vals = [_position_logprob(pos, tok) for pos, tok in zip(positions, r, strict=True)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -70,7 +70,7 @@ def _reprocess_tied_layers(groups: list[list[torch.nn.Module]]) -> None:
     """
     for modules in groups:
         for module in modules:
-            module.quant_method.process_weights_after_loading(module)
+            cast(Any, module).quant_method.process_weights_after_loading(module)
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -82,7 +82,7 @@ class _ExpectedReloadWarnings(logging.Filter):
         self.quiet = quiet
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "%s: Failed to load weights" and record.args:
+        if record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple) and record.args:
             return record.args[0] not in self.quiet
         return True
 
@@ -224,7 +224,7 @@ class RlbusWeightTransferEngine(WeightTransferEngine[RlbusInitInfo, RlbusUpdateI
         try:
             initialize_layerwise_reload(self.model)
             try:
-                self.model.load_weights(device_staged)
+                cast(Any, self.model).load_weights(device_staged)
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
         finally:
