@@ -40,7 +40,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.action != "show":
         print(f"unknown config action {args.action!r} (allowed: show)", file=sys.stderr)
         return 2
-    data = _load(args).model_dump(mode="json")
+    cfg = _load(args)
+    if args.doc:
+        from rlbus.config.doc import doc_lines
+
+        if cfg.bus.password is not None or cfg.bus.token is not None:
+            cfg = cfg.model_copy(update={"bus": cfg.bus.model_copy(update={"password": None, "token": None})})
+        print("\n".join(doc_lines(cfg)))
+        return 0
+    data = cfg.model_dump(mode="json")
     bus = data.get("bus", {})
     for key in ("password", "token"):  # shown as set or not, never the secret itself
         if bus.get(key) is not None:
@@ -154,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="`rlbus config show [overrides]` prints the resolved config")
     p.add_argument("action", choices=["show"])
+    p.add_argument("--doc", action="store_true", help="every key with its value and what it does")
     _config_args(p)
     p.set_defaults(func=_cmd_config)
 

@@ -145,3 +145,32 @@ def test_replica_weight_wait_stays_below_the_learner_batch_timeout() -> None:
         ConfigError, match=r"rollout\.weight_wait_timeout_s=300 must be below trainer\.batch_timeout_s"
     ):
         load_config(None, ["rollout.weight_wait_timeout_s=300", "trainer.batch_timeout_s=300"])
+
+
+def test_every_config_key_says_what_it_does() -> None:
+    from rlbus.config import RlbusConfig
+    from rlbus.config.doc import undocumented_keys
+
+    assert undocumented_keys(RlbusConfig) == []
+
+
+def test_config_show_doc_prints_each_key_with_its_value_and_meaning() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlbus.cli",
+            "config",
+            "show",
+            "--doc",
+            "actor.ppo_epochs=3",
+            "bus.password=s3cret",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "actor.ppo_epochs = 3  # passes over each batch" in out
+    assert "# actor.optim: the policy's optimiser and schedule" in out
+    assert "s3cret" not in out

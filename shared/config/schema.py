@@ -61,21 +61,48 @@ class RlbusConfig(BaseSettings):
         env_prefix="RLBUS_", env_nested_delimiter="__", extra="forbid", validate_assignment=True
     )
 
-    run: RunConfig = Field(default_factory=RunConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    custom_reward_function: CustomRewardFunctionConfig = Field(default_factory=CustomRewardFunctionConfig)
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
-    ref: RefConfig = Field(default_factory=RefConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    critic: CriticConfig = Field(default_factory=CriticConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    bus: BusConfig = Field(default_factory=BusConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    run: RunConfig = Field(default_factory=RunConfig, description="the run: id, directory, restarts")
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="prompts: files or a built-in task, lengths, batch size"
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="the policy checkpoint and how it is loaded (dtype, LoRA, packing)",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="the rollout replicas: engine, sampling, placement"
+    )
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig,
+        description="the reward service: built-in verifier, user function, HTTP or reward model",
+    )
+    custom_reward_function: CustomRewardFunctionConfig = Field(
+        default_factory=CustomRewardFunctionConfig,
+        description="verl's custom reward function (file and name)",
+    )
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="verl's reward model section"
+    )
+    ref: RefConfig = Field(default_factory=RefConfig, description="the reference-policy service")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="advantage estimator, KL in reward, DAPO filters"
+    )
+    actor: ActorConfig = Field(
+        default_factory=ActorConfig,
+        description="the policy update: losses, clipping, micro-batches, optimiser",
+    )
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO's value model")
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig,
+        description="the learner's loop: steps, validation, checkpoints, weight pushes, loggers",
+    )
+    bus: BusConfig = Field(
+        default_factory=BusConfig, description="NATS: URL, credentials, TLS, JetStream settings"
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="log level and format")
+    preference: PreferenceConfig = Field(
+        default_factory=PreferenceConfig, description="offline DPO/KTO/SimPO (rlbus train)"
+    )
     _inert_keys: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @property

@@ -57,16 +57,25 @@ class DataConfig(Section):
         default_factory=list, description="JSONL/parquet files: one path or a list"
     )
     val_files: list[Path] = Field(default_factory=list, description="held-out files: one path or a list")
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    prompt_key: str = Field(
+        "prompt", description="row key holding the prompt (text or chat messages; verl's data.prompt_key)"
+    )
+    answer_key: str = Field(
+        "answer",
+        description="row key holding the reference answer when there is no reward_model.ground_truth",
+    )
     train_batch_size: int = Field(16, ge=1, description="prompts per learner step")
-    val_batch_size: int = Field(64, ge=1)
+    val_batch_size: int = Field(64, ge=1, description="validation prompts dispatched per held-out evaluation")
     num_train_examples: int = Field(20000, ge=1, description="size of a generated synthetic train split")
-    num_val_examples: int = Field(128, ge=1)
-    max_prompt_length: int = Field(64, ge=1)
-    max_response_length: int = Field(8, ge=1)
-    shuffle: bool = True
-    seed: int = 0
+    num_val_examples: int = Field(128, ge=1, description="held-out examples the built-in tasks generate")
+    max_prompt_length: int = Field(
+        64, ge=1, description="prompt tokens at most; longer prompts are cut (verl: truncation)"
+    )
+    max_response_length: int = Field(
+        8, ge=1, description="new tokens per sample at most (the engines' max_tokens)"
+    )
+    shuffle: bool = Field(True, description="reshuffle the training prompts every epoch")
+    seed: int = Field(0, description="seed of the data order and of the built-in tasks' examples")
     task_digits: int = Field(2, ge=1, le=6, description="operand digits of the synthetic tasks")
     truncation: Literal["error", "left", "right", "middle"] = Field(
         "error",
@@ -97,13 +106,26 @@ class DataConfig(Section):
 
 class ModelConfig(Section):
     path: Path | None = Field(None, description="HF checkpoint directory; None = the bundled tiny model")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    enable_gradient_checkpointing: bool = False
-    use_remove_padding: bool = False
-    lora_rank: int = Field(0, ge=0)
-    lora_alpha: int = Field(16, ge=1)
-    target_modules: list[str] | str = "all-linear"
-    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="weight and compute dtype; on a GPU, bf16/fp16 keep fp32 master weights (actor.master_weights)",
+    )
+    enable_gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, more compute"
+    )
+    use_remove_padding: bool = Field(
+        False, description="pack a micro-batch's sequences into one row (varlen attention) instead of padding"
+    )
+    lora_rank: int = Field(
+        0, ge=0, description="LoRA rank; 0 trains every weight (replicas get merged weights either way)"
+    )
+    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / rank)")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="modules that get LoRA adapters: 'all-linear' or a list of names"
+    )
+    trust_remote_code: bool = Field(
+        False, description="let transformers run the checkpoint's own modelling code"
+    )
     use_shm: bool = Field(
         False, description="copy the model directory to /dev/shm once per host and load it from there"
     )
@@ -126,24 +148,32 @@ class ModelConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm", "sglang"] = "hf"
+    name: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="generation engine: hf (embedded transformers), vllm or sglang (a running server)"
+    )
     n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
     temperature: float = Field(0.7, ge=0.0, description="0.7 suits the bundled tiny model; verl uses 1.0")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (1.0 = off)")
     top_k: int = Field(-1, ge=-1, description="-1 = off")
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(
+        default_factory=list, description="stop strings; generation ends after the first one"
+    )
     ignore_eos: bool = Field(
         False, description="generate max_response_length tokens past end tokens (benchmarks)"
     )
     prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
     replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
-    seed: int = 0
+    seed: int = Field(
+        0, description="sampling seed of the replicas (each replica and call derives its own from it)"
+    )
     seed_per_prompt: bool = Field(
         False,
         description="seed each prompt's sampling from (seed, data index): the same samples whoever "
         "generates it and whenever (reproducible runs and resumes); slower, seeded requests run alone",
     )
-    tensor_model_parallel_size: int = Field(1, ge=1)
+    tensor_model_parallel_size: int = Field(
+        1, ge=1, description="GPUs one vLLM replica shards the model over"
+    )
     gpu_memory_utilization: float = Field(
         0.5,
         gt=0.0,
@@ -151,15 +181,21 @@ class RolloutConfig(Section):
         description="share of the GPU this replica may take (vllm/sglang: their KV sizing; "
         "hf: a cap on the process's allocations), leaving the rest to a learner on the same GPU",
     )
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1, description="sequences a vLLM replica runs at once")
     enforce_eager: bool | None = Field(
         None,
         description="no compiled/CUDA-graph decode; None = the engine's choice (eager on CPU, compiled "
         "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache)",
     )
-    enable_prefix_caching: bool = True
-    sglang_url: str | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt)"
+    )
+    sglang_url: str | None = Field(
+        None, description="the SGLang server a replica drives (rollout.name=sglang)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where a replica generates: auto picks a GPU when there is one"
+    )
     weight_wait_timeout_s: float | None = Field(
         None,
         gt=0,
@@ -187,10 +223,18 @@ class RewardConfig(Section):
         description="rlbus: fn(prompt, response, meta); verl: compute_score(data_source, solution_str, "
         "ground_truth, extra_info); auto: verl when the first parameter is named data_source",
     )
-    http_url: str | None = None
-    on_error_score: float = 0.0
-    timeout_s: float = Field(10.0, gt=0)
-    memory_limit_mb: int = Field(1024, ge=16)
+    http_url: str | None = Field(
+        None, description="endpoint POSTed {prompt, response, meta} when reward.type=http"
+    )
+    on_error_score: float = Field(
+        0.0, description="reward of a sample whose scorer raised or timed out (counted as reward errors)"
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, description="seconds one scoring call may take before it counts as an error"
+    )
+    memory_limit_mb: int = Field(
+        1024, ge=16, description="address-space limit of the sandbox that runs user reward functions"
+    )
 
     @model_validator(mode="after")
     def _needs_target(self) -> RewardConfig:
@@ -205,12 +249,16 @@ class RewardModelConfig(Section):
     """verl's `reward_model.*`: a sequence-classification model scores prompt + response (one logit);
     with `enable` it is the reward (reward.type=model), as in verl where its score replaces the rule's."""
 
-    enable: bool = False
+    enable: bool = Field(
+        False, description="score with a reward model (verl's reward_model.enable; reward.type=model)"
+    )
     model_path: Path | None = Field(None, description="HF sequence-classification checkpoint (num_labels=1)")
     micro_batch_size: int = Field(16, ge=1, description="responses per forward pass")
     max_length: int | None = Field(None, ge=1, description="truncate prompt + response to this many tokens")
     device: str = Field("auto", description="auto = the reward process's GPU if it has one, else CPU")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the reward model loads in"
+    )
     correct_threshold: float = Field(0.0, description="a score above this counts as correct (metrics only)")
 
     @model_validator(mode="after")
@@ -224,12 +272,14 @@ class CustomRewardFunctionConfig(Section):
     """verl's `custom_reward_function.path/name`: a file with compute_score(data_source, solution_str,
     ground_truth, extra_info); it becomes reward.type=function with verl's signature."""
 
-    path: Path | None = None
-    name: str = "compute_score"
+    path: Path | None = Field(
+        None, description="Python file with the reward function (verl's custom_reward_function.path)"
+    )
+    name: str = Field("compute_score", description="the function's name in that file")
 
 
 class RefConfig(Section):
-    micro_batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(16, ge=1, description="sequences per reference forward pass")
     model_path: Path | None = Field(None, description="None = the policy's initial weights")
 
 
@@ -238,23 +288,32 @@ class BusConfig(Section):
         None, description="nats:// URL; None = use 127.0.0.1:4222 if it answers, else start one"
     )
     local_port: int = Field(0, ge=0, description="port for a server rlbus starts itself; 0 = pick a free one")
-    ack_wait_s: float = Field(60.0, gt=0)
-    max_deliver: int = Field(5, ge=1)
+    ack_wait_s: float = Field(
+        60.0, gt=0, description="seconds a delivered work item may stay un-acked before NATS redelivers it"
+    )
+    max_deliver: int = Field(5, ge=1, description="deliveries before a work item is dead-lettered")
     max_payload_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="max_payload for a server rlbus starts"
     )
-    user: str | None = None
-    password: str | None = None
-    token: str | None = None
-    creds_file: Path | None = None
-    nkeys_seed: Path | None = None
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    connect_timeout_s: float = Field(5.0, gt=0)
-    storage: Literal["file", "memory"] = "file"
+    user: str | None = Field(None, description="NATS user (with bus.password)")
+    password: str | None = Field(None, description="NATS password")
+    token: str | None = Field(None, description="NATS token")
+    creds_file: Path | None = Field(None, description="NATS credentials file (JWT + NKey)")
+    nkeys_seed: Path | None = Field(None, description="NKey seed file")
+    tls_ca: Path | None = Field(None, description="CA certificate the server's certificate must chain to")
+    tls_cert: Path | None = Field(None, description="client certificate (mutual TLS)")
+    tls_key: Path | None = Field(None, description="client key (mutual TLS)")
+    connect_timeout_s: float = Field(5.0, gt=0, description="seconds one connection attempt may take")
+    storage: Literal["file", "memory"] = Field(
+        "file",
+        description="JetStream storage of the run's streams: file (survives a server restart) or memory",
+    )
 
 
 class LoggingConfig(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    json_logs: bool = False
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="log level of every service"
+    )
+    json_logs: bool = Field(
+        False, description="one JSON object per log line (for log shippers) instead of text"
+    )
