@@ -124,6 +124,18 @@ class IpcBuffer(BaseModel):
     nbytes: int = Field(ge=0)
 
 
+class TensorGroup(BaseModel):
+    """The per-tensor group of a push (SGLang replicas): its own rendezvous, one broadcast per tensor in
+    `names` order (rlbus.weight_sync.per_tensor)."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_port: int
+    world_size: int = Field(ge=1)
+    ranks: dict[str, int] = Field(description="replica id -> rank offset (learner is rank 0)")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    group_name: str = Field(description="the store prefix both sides use (SGLang's group_name)")
+
+
 class WeightAnnouncement(Message):
     """Tells replicas a weight broadcast is coming: which group, which version, which tensors in which order."""
 
@@ -149,6 +161,9 @@ class WeightAnnouncement(Message):
         True,
         description="the group of this epoch forms now; False = it is already formed "
         "(only its members from before can take part)",
+    )
+    tensor_group: TensorGroup | None = Field(
+        None, description="replicas that receive per tensor (SGLang), in a group of their own"
     )
 
 

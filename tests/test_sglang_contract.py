@@ -11,7 +11,6 @@ RLBUS_SGLANG_BACKEND (weight-group backend; default nccl with CUDA, else gloo), 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -129,57 +128,69 @@ def test_score_matches_recompute(engine: Any, hf_model: Any, prompts: list) -> N
         np.testing.assert_allclose(engine.score(prompts[0], response, temp), ref, atol=ATOL)
 
 
-def test_weight_push_per_tensor(engine: Any, hf_model: Any, prompts: list) -> None:
-    """The learner side SGLang needs: its rendezvous + one broadcast per tensor in announcement order."""
+async def test_weight_push_through_the_learners_pusher(
+    engine: Any, hf_model: Any, prompts: list, nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """The learner's real pusher (services/learner/weight_push.py) reaches a live SGLang replica: the
+    replica heartbeats `per_tensor_wire`, is announced a `tensor_group`, and SGLang's own endpoints take
+    one broadcast per tensor from it."""
+    import asyncio
     import copy
+    import time
 
-    from rlbus.messages import WeightAnnouncement
+    from rlbus.bus import Bus
+    from rlbus.config import RlbusConfig
+    from rlbus.learner.weight_push import WeightPusher
+    from rlbus.logs import get_logger
+    from rlbus.messages import Heartbeat, WeightAnnouncement, decode
     from rlbus.modeling import response_logprobs
-    from rlbus.rollout.engines.sglang_engine import SGLangWeightSender, sglang_group_name
-    from rlbus.weight_sync import free_port, weights_checksum
+    from rlbus.service import ServiceContext
 
     backend = os.environ.get("RLBUS_SGLANG_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     addr = os.environ.get("RLBUS_SGLANG_MASTER_ADDR", "127.0.0.1")
+    cfg = RlbusConfig(
+        run={"id": run_id, "dir": tmp_path / "runs"},
+        bus={"url": nats_url},
+        trainer={"weight_sync_backend": backend, "weight_sync_host": addr, "weight_push_timeout_s": 120},
+    )
     response = [5, 9, 2]
-
-    def push(model: torch.nn.Module, version: int, epoch: int) -> None:
-        named = [(n, p.detach().to(device)) for n, p in model.named_parameters()]
-        port = free_port(addr)
-        world = 1 + engine.weight_ranks
-        ann = WeightAnnouncement(
-            run_id="contract",
-            version=version,
-            epoch=epoch,
-            master_addr=addr,
-            master_port=port,
-            world_size=world,
-            ranks={"sglang": 1},
-            backend=backend,
-            names=[n for n, _ in named],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
-            shapes=[list(t.shape) for _, t in named],
-            buckets=[list(range(len(named)))],
-            checksum=weights_checksum(t for _, t in named),
+    bus = await Bus.open(cfg, name="contract-learner")
+    state = await bus.state()
+    ctx = ServiceContext(
+        cfg, "learner", "learner", bus, state, asyncio.Event(), get_logger("contract-learner")
+    )
+    await state.heartbeat(
+        Heartbeat(
+            run_id=run_id,
+            service="rollout",
+            instance_id="sglang",
+            time=time.time(),
+            status="ready",
+            stats={
+                "weight_ranks": float(engine.weight_ranks),
+                "per_tensor_wire": float(engine.per_tensor_weights),
+            },
+            device=engine.weight_place,
+            incarnation="contract",
         )
-        errors: list[BaseException] = []
+    )
+    pusher = WeightPusher(ctx, device)
+    await pusher.start()
 
-        def replica() -> None:
-            try:
-                engine.receive_weights(ann, 1, timeout_s=120.0)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
-
-        thread = threading.Thread(target=replica)
-        thread.start()
-        sender = SGLangWeightSender(backend=backend, timeout_s=120.0)
-        try:
-            sender.open(addr, port, world, sglang_group_name(ann))
-            sender.send(named)
-        finally:
-            thread.join(timeout=180)
-            sender.close()
-        assert not errors, errors
+    async def push(model: torch.nn.Module, version: int) -> None:
+        named = [(n, p.detach().to(device)) for n, p in model.named_parameters()]
+        sending = asyncio.create_task(pusher.push(lambda: iter(named), version))
+        while True:  # the announcement, as the replica's weight loop would read it
+            raw = await state.get_announcement()
+            ann = decode(raw, WeightAnnouncement) if raw else None
+            if ann is not None and ann.version == version:
+                break
+            await asyncio.sleep(0.05)
+        assert ann.tensor_group is not None and "sglang" in ann.tensor_group.ranks
+        receiving = asyncio.to_thread(engine.receive_weights, ann, ann.tensor_group.ranks["sglang"], 120.0)
+        ok, _ = await asyncio.gather(sending, receiving)
+        assert ok, pusher.status
         assert engine.policy_version == version
 
     before = engine.score(prompts[0], response)
@@ -189,11 +200,13 @@ def test_weight_push_per_tensor(engine: Any, hf_model: Any, prompts: list) -> No
         for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5 * (p.std() if p.numel() > 1 else 1.0))
     try:
-        push(perturbed, version=1, epoch=1)
+        await push(perturbed, version=1)
         expected = response_logprobs(perturbed, [prompts[0]], [response], 0, 1.0)[0]
         after = engine.score(prompts[0], response)
         assert np.abs(after - before).max() > 0.1
         np.testing.assert_allclose(after, expected, atol=ATOL)
     finally:
-        push(hf_model, version=2, epoch=2)  # leave the server as we found it
+        await push(hf_model, version=2)  # leave the server as we found it
+        pusher.close()
+        await bus.close()
     np.testing.assert_allclose(engine.score(prompts[0], response), before, atol=ATOL)

@@ -2,7 +2,8 @@
 
 Each live replica gets a transport by rlbus.weight_transport's rule: CUDA IPC for replicas on the learner's
 own GPU (one shared buffer, acked per version on NATS), one torch group (NCCL, or gloo through host memory)
-for the rest. One push may use both at once; the checksum, the version announcement and the
+for the rest, and a group of their own for SGLang replicas, which take one broadcast per tensor
+(per_tensor_push.py). One push may use all of them at once; the checksum, the version announcement and the
 never-half-swapped rule are the same for every transport.
 
 A group "epoch" is one fixed membership. When replicas join or leave, the next push forms a new epoch on a
@@ -22,10 +23,19 @@ from urllib.parse import urlparse
 
 import torch
 
+from rlbus.learner.per_tensor_push import PerTensorPush
 from rlbus.messages import IpcBuffer, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext
 from rlbus.weight_ipc import IpcWeightSender
-from rlbus.weight_sync import Backend, SendPlan, WeightSender, WeightSyncError, free_port, plan_buckets
+from rlbus.weight_sync import (
+    Backend,
+    SendPlan,
+    WeightSender,
+    WeightSyncError,
+    describe_tensors,
+    free_port,
+    plan_buckets,
+)
 from rlbus.weight_transport import (
     DevicePlace,
     PlacementError,
@@ -63,6 +73,7 @@ class LiveReplica:
     place: DevicePlace
     ipc_capable: bool
     incarnation: str = ""  # its process start: a restart under the same id is a new member
+    per_tensor: bool = False  # receives one broadcast per tensor (SGLang): its own group
 
 
 class WeightPusher:
@@ -77,6 +88,7 @@ class WeightPusher:
         self.host = cfg.trainer.weight_sync_host or weight_sync_host(cfg.bus.url)
         self.bucket_bytes = cfg.trainer.weight_bucket_mb * 1024 * 1024
         self.sender: WeightSender | None = None
+        self.per_tensor = PerTensorPush(self.host, self.timeout_s, cfg.run.id)
         self.ipc: IpcWeightSender | None = None
         self.epoch = 0
         self.ranks: dict[str, int] = {}  # replica id -> rank, of the open torch group
@@ -131,6 +143,7 @@ class WeightPusher:
                 DevicePlace.parse(hb.device),
                 bool(hb.stats.get("ipc_capable", 0.0)),
                 hb.incarnation,
+                bool(hb.stats.get("per_tensor_wire", 0.0)),
             )
         return live
 
@@ -185,8 +198,9 @@ class WeightPusher:
             self.pushed_version = version
             return True
         ipc_ids = sorted(r for r, t in transports.items() if t == "cuda_ipc")
-        group_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc")
-        backend = group_backend(transports.values())
+        tensor_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc" and live[r].per_tensor)
+        group_ids = sorted(r for r, t in transports.items() if t != "cuda_ipc" and not live[r].per_tensor)
+        backend = group_backend(transports[r] for r in group_ids)
         t_acks = time.perf_counter()
         if ipc_ids:
             await self._settle_acks()  # the shared buffer is refilled only once every reader let go of it
@@ -203,6 +217,11 @@ class WeightPusher:
             return self._failed(version, f"preparing the push: {exc}", "group")
         try:
             ranks, world, port, new_group = self._group_layout(transports, live, group_ids)
+            tensor_group = self.per_tensor.layout(
+                {r: live[r].ranks for r in tensor_ids},
+                self.epoch,
+                group_backend(transports[r] for r in tensor_ids) or "gloo",
+            )
         except OSError as exc:
             self.transports = None
             return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
@@ -218,6 +237,7 @@ class WeightPusher:
             ipc_replicas=ipc_ids,
             ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
             new_group=new_group,
+            tensor_group=tensor_group,
             **plan.announcement_fields(),
         )
         while not self._acks.empty():  # acks of an earlier push that timed out
@@ -232,6 +252,13 @@ class WeightPusher:
                 self._suspect(group_ids)
                 return self._failed(version, error, "group")
             self.streaks.pop("group", None)
+        if tensor_group is not None:
+            error = await self.per_tensor.send(tensor_group, self.epoch, named_weights)
+            if error:
+                self.transports = None
+                self._suspect(tensor_ids)
+                return self._failed(version, error, "tensor")
+            self.streaks.pop("tensor", None)
         self.transports, self.ranks = transports, ranks
         self.incarnations = {rid: live[rid].incarnation for rid in transports}
         self.port = port
@@ -244,6 +271,7 @@ class WeightPusher:
             epoch=self.epoch,
             ipc=len(ipc_ids),
             group=f"{backend}:{len(group_ids)}" if group_ids else "none",
+            per_tensor=len(tensor_ids),
             seconds=round(self.last_seconds, 4),
         )
         return True
@@ -285,7 +313,10 @@ class WeightPusher:
                 self.ipc = IpcWeightSender(self.device)
             metas, checksum = self.ipc.fill(named_weights())
             return SendPlan(metas, plan_buckets(metas, self.bucket_bytes), checksum), self.ipc.handle
-        assert self.sender is not None
+        if not group:  # only per-tensor replicas: names, dtypes and shapes (SGLang checks no sum)
+            metas = describe_tensors(named_weights())
+            return SendPlan(metas, plan_buckets(metas, self.bucket_bytes), 0.0), None
+        assert self.sender is not None  # made above for the group
         return self.sender.plan(named_weights()), None
 
     async def _send_group(self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool) -> str:
@@ -375,6 +406,7 @@ class WeightPusher:
             await self._settle_acks()  # all acks are in: learn now whether a replica failed its read
 
     def close(self) -> None:
+        self.per_tensor.close()
         if self.sender is not None:
             self.sender.close()
         if self.ipc is not None:

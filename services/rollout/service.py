@@ -65,7 +65,8 @@ class Replica:
             key = (ann.epoch, ann.version)
             if key == self.last_announcement:
                 continue
-            if replica_id not in ann.ranks and replica_id not in ann.ipc_replicas:
+            per_tensor = ann.tensor_group is not None and replica_id in ann.tensor_group.ranks
+            if replica_id not in ann.ranks and replica_id not in ann.ipc_replicas and not per_tensor:
                 continue
             # a newer push is out: joining this one would wait on a dead group
             if await self._superseded(key):
@@ -74,7 +75,7 @@ class Replica:
                 self.last_announcement = key
                 await self._take_ipc(ann)
                 continue
-            if not ann.new_group and ann.epoch != self.joined_epoch:
+            if not per_tensor and not ann.new_group and ann.epoch != self.joined_epoch:
                 # a group formed before this process (its predecessor under our id): the learner re-forms
                 # the group when it sees our new incarnation
                 self.last_announcement = key
@@ -85,7 +86,12 @@ class Replica:
                 # an engine guarding its own swap receives beside generation: no wait for a batch
                 guard = contextlib.nullcontext() if self.engine.receives_while_generating else self.lock
                 async with guard:
-                    await asyncio.to_thread(self.engine.receive_weights, ann, ann.ranks[replica_id], timeout)
+                    rank = (
+                        ann.tensor_group.ranks[replica_id]
+                        if per_tensor and ann.tensor_group
+                        else ann.ranks[replica_id]
+                    )
+                    await asyncio.to_thread(self.engine.receive_weights, ann, rank, timeout)
             except Exception as exc:  # the learner notices too, and re-forms the group
                 self.ctx.log.error(
                     "weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc)
@@ -268,9 +274,13 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     limits = await asyncio.to_thread(limits_for, cfg, model_path)
     replica = Replica(ctx, engine)
     ctx.stats.update(
-        weight_ranks=float(engine.weight_ranks), groups=0, tokens=0, ipc_capable=float(engine.supports_ipc)
+        weight_ranks=float(engine.weight_ranks),
+        groups=0,
+        tokens=0,
+        ipc_capable=float(engine.supports_ipc),
+        per_tensor_wire=float(engine.per_tensor_weights),
     )
-    ctx.device = str(device_place(engine.weight_device))
+    ctx.device = engine.weight_place or str(device_place(engine.weight_device))
     weights = asyncio.create_task(replica.weight_loop())
     consumer = await ctx.bus.consumer(
         Stage.PROMPTS,

@@ -63,6 +63,18 @@ class RolloutEngine(ABC):
         return False
 
     @property
+    def weight_place(self) -> str | None:
+        """Where the weights live when no torch device of this process names it (a remote server's GPU), as
+        rlbus.weight_transport.DevicePlace prints it; None = `weight_device` says."""
+        return None
+
+    @property
+    def per_tensor_weights(self) -> bool:
+        """Whether weights arrive one broadcast per tensor in a group of the engine's own making (SGLang's
+        endpoints) rather than in rlbus's verified buckets: the learner then announces a `tensor_group`."""
+        return False
+
+    @property
     def supports_ipc(self) -> bool:
         """Whether `take_ipc_weights`/`load_received` work here (the engine shares the learner's process
         model: weights in this process's CUDA memory)."""

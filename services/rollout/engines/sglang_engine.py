@@ -10,11 +10,10 @@ are not temperature-scaled, so `score` at T != 1 asks for the full-vocabulary ro
 Weights. SGLang's workers join a torch process group themselves (`/init_weights_update_group`, rank =
 rank_offset + tp_rank, store prefix = group_name) and receive with `/update_weights_from_distributed`:
 ONE broadcast PER TENSOR, in the order of `names`, from rank 0, with no header, trailer or checksum.
-That is not rlbus.weight_sync's bucketed protocol, so the learner must push to SGLang replicas with
-`SGLangWeightSender` below (or an equivalent): the same rendezvous as SGLang's
-`init_custom_process_group` (TCPStore at master_addr:master_port, `PrefixStore(group_name)`), then
-`dist.broadcast(tensor, src=0)` for every tensor in announcement order. A group holds one wire format,
-so SGLang replicas need their own group (epoch/port), separate from vLLM/HF replicas. SGLang verifies no
+That is not rlbus.weight_sync's bucketed protocol, so the learner's pusher gives SGLang replicas a group of
+their own (`WeightAnnouncement.tensor_group`, services/learner/per_tensor_push.py): the same rendezvous
+as SGLang's `init_custom_process_group` (rlbus.weight_sync.per_tensor), then one broadcast per tensor in
+announcement order. SGLang verifies no
 checksum; a push is one HTTP call, so a broadcast failure leaves the old weights (SGLang loads after all
 tensors of a call arrived), but a failure inside SGLang's load may leave them partly updated (its own
 message says to discard the replica).
@@ -26,26 +25,17 @@ import json
 import threading
 import urllib.error
 import urllib.request
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlbus.messages import SamplingParams, WeightAnnouncement
+from rlbus.messages import SamplingParams, TensorGroup, WeightAnnouncement
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
+from rlbus.weight_sync.per_tensor import per_tensor_group_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    import torch
-
     from rlbus.config import RlbusConfig
-
-
-def sglang_group_name(announcement: WeightAnnouncement) -> str:
-    """The group name both sides derive from an announcement: SGLang uses it as the store prefix."""
-    return f"rlbus_{announcement.run_id}_epoch{announcement.epoch}"
 
 
 class SGLangError(RuntimeError):
@@ -121,6 +111,16 @@ class SGLangEngine(RolloutEngine):
             return int(self.server_info().get("tp_size", 1) or 1)
         except SGLangError:
             return 1
+
+    @property
+    def weight_place(self) -> str:
+        """The server's GPU as a place of its own (this client cannot read its UUID): the learner then
+        reaches it by NCCL, never by CUDA IPC; a CPU server gets gloo."""
+        try:
+            device = str(self.server_info().get("device", "cuda"))
+        except SGLangError:
+            device = "cuda"
+        return f"cuda:sglang@{self.url}" if device.startswith("cuda") else "cpu"
 
     # ------------------------------------------------------------------ generation
 
@@ -248,34 +248,38 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
+    @property
+    def per_tensor_weights(self) -> bool:
+        return True
+
     def receive_weights(self, announcement: WeightAnnouncement, rank: int, timeout_s: float) -> None:
-        """Joins (once per epoch) and receives through SGLang's own endpoints; the learner must broadcast
-        per tensor in announcement order (`SGLangWeightSender`)."""
+        """Joins (once per group) and receives through SGLang's own endpoints, from the announcement's
+        `tensor_group` (the learner's `PerTensorSender`: one broadcast per tensor, in `names` order)."""
         a = announcement
-        group = sglang_group_name(a)
-        key = (a.epoch, a.master_addr, a.master_port, a.world_size, a.backend, int(rank))
+        g = a.tensor_group or TensorGroup(
+            master_port=a.master_port,
+            world_size=a.world_size,
+            ranks=a.ranks,
+            backend=a.backend,
+            group_name=per_tensor_group_name(a.run_id, a.epoch),
+        )
+        key = (a.epoch, a.master_addr, g.master_port, g.world_size, g.backend, int(rank))
         with self._lock:
             if self._group != key:
-                if self._group is not None:
-                    old = self._group_name
-                    try:
-                        self._call("/destroy_weights_update_group", {"group_name": old}, timeout_s=timeout_s)
-                    except SGLangError:
-                        pass  # the old group may already be gone with its learner
-                self._group = None
+                self._leave(timeout_s)
                 self._call(
                     "/init_weights_update_group",
                     {
                         "master_address": a.master_addr,
-                        "master_port": int(a.master_port),
+                        "master_port": int(g.master_port),
                         "rank_offset": int(rank),
-                        "world_size": int(a.world_size),
-                        "group_name": group,
-                        "backend": a.backend,
+                        "world_size": int(g.world_size),
+                        "group_name": g.group_name,
+                        "backend": g.backend,
                     },
                     timeout_s=timeout_s,
                 )
-                self._group, self._group_name = key, group
+                self._group, self._group_name = key, g.group_name
             try:
                 self._call(
                     "/update_weights_from_distributed",
@@ -283,7 +287,7 @@ class SGLangEngine(RolloutEngine):
                         "names": list(a.names),
                         "dtypes": list(a.dtypes),
                         "shapes": [list(s) for s in a.shapes],
-                        "group_name": group,
+                        "group_name": g.group_name,
                         "flush_cache": True,
                         "weight_version": str(a.version),
                     },
@@ -294,79 +298,16 @@ class SGLangEngine(RolloutEngine):
                 raise
             self.policy_version = int(a.version)
 
-    def close(self) -> None:
-        """Leaves the weight group; the SGLang server itself is not ours to stop."""
+    def _leave(self, timeout_s: float) -> None:
         if self._group is not None:
             try:
-                self._call("/destroy_weights_update_group", {"group_name": self._group_name}, timeout_s=30)
+                self._call(
+                    "/destroy_weights_update_group", {"group_name": self._group_name}, timeout_s=timeout_s
+                )
             except SGLangError:
-                pass
-            self._group = None
-
-
-# ---------------------------------------------------------------------------------------------- learner side
-
-
-class SGLangWeightSender:
-    """Learner side (rank 0) of SGLang's weight-update group: its rendezvous, per-tensor broadcasts.
-
-    Mirrors SGLang's `init_custom_process_group` (torch's `rendezvous` on tcp://addr:port, then
-    `PrefixStore(group_name)` and `_new_process_group_helper`), so SGLang's workers and this process meet
-    in the same store namespace. Pure torch: usable from the learner without SGLang installed.
-    """
-
-    def __init__(self, backend: str = "nccl", timeout_s: float = 120.0) -> None:
-        self.backend = backend
-        self.timeout_s = float(timeout_s)
-        self._pg: Any = None
-
-    def open(self, master_addr: str, master_port: int, world_size: int, group_name: str) -> None:
-        """Hosts the group (rank 0) and blocks until every SGLang rank joined (they POSTed init)."""
-        from torch.distributed.distributed_c10d import (
-            Backend,
-            PrefixStore,
-            _new_process_group_helper,
-            _world,
-            rendezvous,
-        )
-
-        self.close()
-        timeout = timedelta(seconds=self.timeout_s)
-        store, rank, world = next(
-            rendezvous(f"tcp://{master_addr}:{master_port}", 0, world_size, timeout=timeout)
-        )
-        store.set_timeout(timeout)
-        pg, _ = _new_process_group_helper(
-            world,
-            rank,
-            [],
-            Backend(self.backend),
-            PrefixStore(group_name, store),
-            group_name=cast(Any, group_name),  # torch's GroupName is a str NewType
-            timeout=timeout,
-        )
-        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
-        self._pg = pg
-
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """One broadcast per tensor, in the order the announcement lists them; returns the bytes sent."""
-        import torch.distributed as dist
-
-        if self._pg is None:
-            raise RuntimeError("open() the SGLang weight group first")
-        sent = 0
-        for _, tensor in named_tensors:
-            t = tensor.detach().contiguous()
-            dist.broadcast(t, src=0, group=self._pg)
-            sent += t.numel() * t.element_size()
-        return sent
+                pass  # the old group may already be gone with its learner
+        self._group = None
 
     def close(self) -> None:
-        pg, self._pg = self._pg, None
-        if pg is not None:
-            import torch.distributed as dist
-
-            try:
-                dist.destroy_process_group(pg)
-            except Exception:  # noqa: BLE001 - best effort on a dead group
-                pass
+        """Leaves the weight group; the SGLang server itself is not ours to stop."""
+        self._leave(30.0)
