@@ -172,7 +172,15 @@ def train_preference(cfg: RlbusConfig) -> dict[str, Any]:
     """The whole offline run; returns the summary also written to `<run dir>/preference_summary.json`.
 
     Under `torchrun` every rank runs this; rank 0 writes the metrics, the console, the summary and the
-    files, and every rank takes part in the collectives (FSDP2, checkpoints, the final gather)."""
+    files, and every rank takes part in the collectives (FSDP2, checkpoints, the final gather). The
+    process group (or the one-process context) it sets up is torn down when it returns."""
+    try:
+        return _train_preference(cfg)
+    finally:
+        shutdown()
+
+
+def _train_preference(cfg: RlbusConfig) -> dict[str, Any]:
     from rlbus.metrics_log import MetricsWriter
 
     pcfg = cfg.preference
@@ -228,6 +236,4 @@ def run_preference(cfg: RlbusConfig) -> int:
     except FloatingPointError as exc:
         _log(f"diverged: {exc}")
         return 1
-    finally:
-        shutdown()
     return 0
