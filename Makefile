@@ -27,7 +27,7 @@ endif
 	$(PY) -c "import rlbus, torch, transformers, nats; print('rlbus', rlbus.__version__, 'torch', torch.__version__)"
 
 test:
-	$(PYTEST) -q -m "not slow and not vllm and not gpu and not sglang" tests
+	$(PYTEST) -q --durations=15 -m "not slow and not vllm and not gpu and not sglang" tests
 
 # pytest exits 5 when a marker selects nothing: that is not a failure here.
 test-slow:

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import torch
 
 from rlbus.learner.per_tensor_push import PerTensorPush
-from rlbus.messages import IpcBuffer, WeightAck, WeightAnnouncement, decode, encode
+from rlbus.messages import IpcBuffer, TensorGroup, WeightAck, WeightAnnouncement, decode, encode
 from rlbus.service import ServiceContext
 from rlbus.weight_ipc import IpcWeightSender
 from rlbus.weight_sync import (
@@ -225,20 +225,8 @@ class WeightPusher:
         except OSError as exc:
             self.transports = None
             return self._failed(version, f"no port for the weight group on {self.host}: {exc}", "group")
-        ann = WeightAnnouncement(
-            run_id=self.ctx.cfg.run.id,
-            version=version,
-            epoch=self.epoch,
-            master_addr=self.host,
-            master_port=port,
-            world_size=world,
-            ranks=ranks,
-            backend=backend or "gloo",
-            ipc_replicas=ipc_ids,
-            ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
-            new_group=new_group,
-            tensor_group=tensor_group,
-            **plan.announcement_fields(),
+        ann = self._announcement(
+            version, plan, (port, world, ranks, backend, new_group), ipc_ids, ipc_buffer, tensor_group
         )
         while not self._acks.empty():  # acks of an earlier push that timed out
             self._acks.get_nowait()
@@ -275,6 +263,34 @@ class WeightPusher:
             seconds=round(self.last_seconds, 4),
         )
         return True
+
+    def _announcement(
+        self,
+        version: int,
+        plan: SendPlan,
+        group: tuple[int, int, dict[str, int], Backend | None, bool],
+        ipc_ids: list[str],
+        ipc_buffer: dict | None,
+        tensor_group: TensorGroup | None,
+    ) -> WeightAnnouncement:
+        """What replicas read before a push: the groups (port, world, ranks, backend, whether it forms now),
+        the IPC buffer and its readers, the per-tensor group, and the plan's names, shapes and checksum."""
+        port, world, ranks, backend, new_group = group
+        return WeightAnnouncement(
+            run_id=self.ctx.cfg.run.id,
+            version=version,
+            epoch=self.epoch,
+            master_addr=self.host,
+            master_port=port,
+            world_size=world,
+            ranks=ranks,
+            backend=backend or "gloo",
+            ipc_replicas=ipc_ids,
+            ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
+            new_group=new_group,
+            tensor_group=tensor_group,
+            **plan.announcement_fields(),
+        )
 
     def _group_layout(
         self, transports: dict[str, Transport], live: dict[str, LiveReplica], group_ids: list[str]
