@@ -92,9 +92,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    from rlbus.learner.preference.main import is_preference_run, run_preference
+    if cfg.preference.algorithm != "none":  # offline DPO/KTO/SimPO: no services to start
+        from rlbus.learner.preference.main import run_preference  # torch, transformers: only when used
 
-    if is_preference_run(cfg):
         return run_preference(cfg)
     from rlbus.launcher import launch
 

@@ -32,11 +32,6 @@ SUMMARY_FILE = "preference_summary.json"
 MODEL_DIR = "model"
 
 
-def is_preference_run(cfg: RlbusConfig) -> bool:
-    """`rlbus train` dispatches here instead of starting the RL services when an algorithm is chosen."""
-    return cfg.preference.algorithm != "none"
-
-
 def total_steps(pcfg: PreferenceConfig, n_train: int) -> int:
     per_epoch = math.ceil(n_train / pcfg.batch_size)
     steps = pcfg.epochs * per_epoch
