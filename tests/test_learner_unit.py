@@ -53,6 +53,8 @@ def test_lr_schedule_warmup_then_cosine() -> None:
         ["actor.policy_loss=dual_clip", "actor.ppo_epochs=2", "actor.ppo_mini_batch_size=1"],
         ["algorithm.adv_estimator=rloo", "actor.ppo_micro_batch_size=1"],
         ["algorithm.adv_estimator=reinforce_plus_plus"],
+        ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"],
+        ["algorithm.adv_estimator=grpo", "actor.ppo_mini_batch_size=1", "actor.clip_ratio_high=0.28"],
     ],
 )
 def test_one_update_changes_weights_and_reports_finite_metrics(overrides: list[str]) -> None:
