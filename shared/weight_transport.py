@@ -96,6 +96,16 @@ def choose_transport(
     raise PlacementError(f"{KEY}={choice!r} is not one of auto, cuda_ipc, nccl, gloo")
 
 
+def deal_ranks(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Group ranks for replicas (id -> ranks it needs), in id order after the learner's rank 0: (each
+    replica's first rank, the world size)."""
+    ranks, nxt = {}, 1
+    for rid in sorted(sizes):
+        ranks[rid] = nxt
+        nxt += sizes[rid]
+    return ranks, nxt
+
+
 def group_backend(transports: Iterable[Transport]) -> Literal["nccl", "gloo"] | None:
     """One torch group serves every non-IPC replica: NCCL when all can take it, else gloo; None if none."""
     kinds = {t for t in transports if t != "cuda_ipc"}

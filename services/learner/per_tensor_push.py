@@ -16,6 +16,7 @@ import torch
 from rlbus.messages import TensorGroup
 from rlbus.weight_sync import free_port
 from rlbus.weight_sync.per_tensor import PerTensorSender, per_tensor_group_name
+from rlbus.weight_transport import deal_ranks
 
 
 class PerTensorPush:
@@ -36,10 +37,7 @@ class PerTensorPush:
             return None
         if self.group is not None and self.epoch == epoch and self.sender is not None and self.sender.is_open:
             return self.group
-        ranks, nxt = {}, 1
-        for rid in sorted(replica_ranks):
-            ranks[rid] = nxt
-            nxt += replica_ranks[rid]
+        ranks, nxt = deal_ranks(replica_ranks)
         return TensorGroup(
             master_port=free_port(self.host),
             world_size=nxt,

@@ -41,6 +41,7 @@ from rlbus.weight_transport import (
     PlacementError,
     Transport,
     choose_transport,
+    deal_ranks,
     device_place,
     group_backend,
 )
@@ -303,10 +304,7 @@ class WeightPusher:
         if not reform:
             return self.ranks, 1 + sum(live[r].ranks for r in group_ids), self.port, False
         self.epoch += 1  # a replica skips an (epoch, version) it already took: a new epoch is always news
-        ranks, nxt = {}, 1
-        for rid in group_ids:
-            ranks[rid] = nxt
-            nxt += live[rid].ranks
+        ranks, nxt = deal_ranks({rid: live[rid].ranks for rid in group_ids})
         return ranks, nxt, (free_port(self.host) if group_ids else 0), bool(group_ids)
 
     def _prepare(
