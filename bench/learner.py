@@ -191,6 +191,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+PROFILE: dict[str, Any] = {}  # --profile-dir: where time_steps writes a profile of one extra step
+
+
 def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
     for _ in range(warmup):
         step()
@@ -201,7 +204,28 @@ def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
         step()
         _sync()
         times.append(time.perf_counter() - t0)
+    if PROFILE.get("dir"):
+        profile_step(step, Path(PROFILE["dir"]) / f"{PROFILE['name'].replace('/', '_')}.txt")
     return times
+
+
+def profile_step(step: Any, out: Path) -> None:
+    """One more step under torch.profiler: the ops by self device time (CPU time on a CPU), to a file."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync()
+    wall = time.perf_counter() - t0
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"profiled step: {wall:.3f}s wall\n{table}\n")
+    print(f"  profile of one step ({wall:.3f}s) -> {out}", flush=True)
 
 
 def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -330,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke test)")
     p.add_argument("--force-checkout-imports", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile-dir", default=None, help="profile one extra step per config into this folder")
     args = p.parse_args(argv)
+    PROFILE["dir"] = args.profile_dir
 
     where = bootstrap_rlbus(args.force_checkout_imports)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -372,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            PROFILE["name"] = name
             try:
                 if name.startswith("plain"):
                     res = run_plain(model_dir, batch, args, name)

@@ -150,6 +150,7 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: Literal[False] = False,
     chunk_tokens: int = ...,
+    positions: torch.Tensor | None = None,
     **attention_kwargs: Any,
 ) -> torch.Tensor: ...
 
@@ -164,6 +165,7 @@ def token_logprobs(
     *,
     return_entropy: Literal[True],
     chunk_tokens: int = ...,
+    positions: torch.Tensor | None = None,
     **attention_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -177,6 +179,7 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = ...,
     chunk_tokens: int = ...,
+    positions: torch.Tensor | None = None,
     **attention_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -189,6 +192,7 @@ def token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    positions: torch.Tensor | None = None,
     **attention_kwargs: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each next token, [B, L-1] float32 (differentiable when the model is).
@@ -198,10 +202,11 @@ def token_logprobs(
     With return_entropy, also the entropy of each position's tempered distribution, [B, L-1].
     ``chunk_tokens`` > 0 (and a plain linear output layer): the output projection and softmax run that many
     tokens at a time, so no ``tokens x vocab`` fp32 logits exist (rlbus.chunked_logprobs); 0: full logits.
+    ``positions`` (bool [B, L-1], chunked path): the positions whose values are needed; the rest may read 0.
     """
     temp = effective_temperature(temperature)
     if chunk_tokens > 0 and supports_chunked_head(model):
-        with logprob_head(model, input_ids, temp, chunk_tokens):
+        with logprob_head(model, input_ids, temp, chunk_tokens, positions):
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -246,8 +251,15 @@ def response_logprobs(
     step = max(1, int(micro_batch_size))
     for start in range(0, len(prompts), step):
         ps, rs = prompts[start : start + step], responses[start : start + step]
-        ids, mask, pos, _ = pad_batch(ps, rs, pad_id)
-        lp = token_logprobs(model, ids.to(device), mask.to(device), pos.to(device), temperature)
+        ids, mask, pos, resp = pad_batch(ps, rs, pad_id)
+        lp = token_logprobs(
+            model,
+            ids.to(device),
+            mask.to(device),
+            pos.to(device),
+            temperature,
+            positions=resp.bool().to(device),
+        )
         rows = lp.cpu().numpy().astype(np.float32)
         for b, (p, r) in enumerate(zip(ps, rs, strict=True)):
             result.append(rows[b, len(p) - 1 : len(p) - 1 + len(r)].copy())

@@ -85,6 +85,52 @@ def test_values_and_gradients_match_full_logits(tmp_path: Path, temperature: flo
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_positions_skip_the_head_elsewhere_and_change_nothing_the_loss_sees(tmp_path: Path) -> None:
+    """Only the masked positions go through the output projection: their values and the gradient of a loss
+    over them equal the full computation; the other positions read 0."""
+    model = Qwen2ForCausalLM.from_pretrained(str(_model_dir(tmp_path)), dtype=torch.float64).train()
+    b = _batch(4, 24)
+    m = b.response_mask.bool()
+    head = model.get_output_embeddings()
+    seen: list[int] = []
+    results = []
+    for positions in (None, m):
+        model.zero_grad()
+        seen.clear()
+        with _RowsThroughHead(seen):
+            lp, ent = token_logprobs(
+                model,
+                b.input_ids,
+                b.attention_mask,
+                b.position_ids,
+                return_entropy=True,
+                chunk_tokens=16,
+                positions=positions,
+            )
+        ((lp * m).sum() + 0.1 * (ent * m).sum()).backward()
+        results.append((lp.detach(), ent.detach(), head.weight.grad.clone(), sum(seen)))
+    (lp0, ent0, g0, rows0), (lp1, ent1, g1, rows1) = results
+    torch.testing.assert_close(lp1[m], lp0[m], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent1[m], ent0[m], rtol=0, atol=2e-5)
+    assert not lp1[~m].any() and not ent1[~m].any()
+    torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)  # fp32 logits, sums in another order
+    assert rows0 == m.numel() and rows1 == int(m.sum()) < rows0
+
+
+class _RowsThroughHead(TorchDispatchMode):
+    """Counts the rows of every product with the [vocab, hidden] output weight (forward only)."""
+
+    def __init__(self, seen: list[int]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default and out.dim() == 2 and out.shape[1] == VOCAB:
+            self.seen.append(int(out.shape[0]))
+        return out
+
+
 def test_custom_function_matches_autograd_in_bf16_autocast() -> None:
     """Under autocast the products run in bf16, as nn.Linear's would; the fp32 softmax math agrees."""
     torch.manual_seed(0)

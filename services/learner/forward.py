@@ -49,6 +49,7 @@ def _forward_logprobs(
             mb.temperature,
             return_entropy=entropy,
             chunk_tokens=chunk,
+            positions=mb.response_mask[:, : w - 1].bool().to(device),
         )
         lp, ent = _with_entropy(out)
         pad = width - w
@@ -65,6 +66,14 @@ def _forward_logprobs(
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
         max_len = int(lengths.max())
         bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+    # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
+    offsets = torch.cumsum(lengths, 0) - lengths
+    n_pred = (lengths - 1).clamp(min=0)
+    rows = torch.repeat_interleave(torch.arange(bsz), n_pred)
+    cols = torch.cat([torch.arange(int(n)) for n in n_pred]) if bsz else torch.zeros(0, dtype=torch.long)
+    src = torch.repeat_interleave(offsets, n_pred) + cols
+    wanted = torch.zeros(1, max(int(ids.shape[1]) - 1, 0), dtype=torch.bool)
+    wanted[0, src] = mb.response_mask[rows, cols].bool()
     out = token_logprobs(
         model,
         ids.to(device),
@@ -73,16 +82,11 @@ def _forward_logprobs(
         mb.temperature,
         return_entropy=entropy,
         chunk_tokens=chunk,
+        positions=wanted.to(device),
         **bounds,
     )
     lp_p, ent_p = _with_entropy(out)
-    # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
-    offsets = torch.cumsum(lengths, 0) - lengths
-    n_pred = (lengths - 1).clamp(min=0)
-    rows = torch.repeat_interleave(torch.arange(bsz), n_pred)
-    cols = torch.cat([torch.arange(int(n)) for n in n_pred]) if bsz else torch.zeros(0, dtype=torch.long)
-    src = (torch.repeat_interleave(offsets, n_pred) + cols).to(device)
-    rows, cols = rows.to(device), cols.to(device)
+    src, rows, cols = src.to(device), rows.to(device), cols.to(device)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
         base = torch.zeros(bsz, width - 1, dtype=values.dtype, device=values.device)

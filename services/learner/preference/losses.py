@@ -51,7 +51,9 @@ def policy_logps(
     reference took, so that policy and reference agree exactly at step 0."""
     b = sequence_batch(prompts, completions, pad_id).to(device)
     with compute_precision(model, device):
-        lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
+        lp = token_logprobs(
+            model, b.input_ids, b.attention_mask, b.position_ids, positions=b.response_mask.bool()
+        )
     return sequence_logps(lp, b.response_mask, average=average)
 
 
@@ -62,7 +64,9 @@ def pair_logps(
     pb = pair_batch(pairs, pad_id)
     b = pb.sequences.to(device)
     with compute_precision(model, device):
-        lp = token_logprobs(model, b.input_ids, b.attention_mask, b.position_ids)
+        lp = token_logprobs(
+            model, b.input_ids, b.attention_mask, b.position_ids, positions=b.response_mask.bool()
+        )
     seq = sequence_logps(lp, b.response_mask, average=average)
     return seq[: pb.size], seq[pb.size :]
 
