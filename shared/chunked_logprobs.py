@@ -23,6 +23,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from rlbus.device_copy import to_device
+
 DEFAULT_CHUNK_TOKENS = 1024
 
 # Model configs whose logits are not a plain linear map of the last hidden state: these keep the full path.
@@ -183,8 +185,8 @@ def logprob_head(
     ``input_ids`` in place of logits. The head still runs inside the model's own forward, so FSDP2's hooks
     (which gather the root's parameters, the output projection among them) see an ordinary call.
 
-    ``positions`` (bool ``[B, L-1]``): only these positions go through the output projection, the others
-    read 0. The loss looks at response tokens only, so the prompt's and the padding's share of the largest
+    ``positions`` (bool ``[B, L-1]``, best on the CPU: its index is taken there, without a device sync): only
+    these positions go through the output projection, the others read 0. The loss looks at response tokens only, so the prompt's and the padding's share of the largest
     matrix product of a small model (a 151,936-row head is over a quarter of Qwen2-0.5B's FLOPs) is skipped,
     forward and backward."""
     head = cast(Any, model).get_output_embeddings()
@@ -195,7 +197,7 @@ def logprob_head(
         if positions is None:
             lp, ent = chunked_logprobs(states, head.weight, targets, temperature, chunk)
             return torch.stack((lp, ent), dim=-1)
-        index = positions.reshape(-1).nonzero().squeeze(-1)
+        index = to_device(positions.reshape(-1).nonzero().squeeze(-1), hidden.device)  # host-side: no sync
         flat = states.reshape(-1, states.shape[-1]).index_select(0, index)
         lp, ent = chunked_logprobs(flat, head.weight, targets.reshape(-1)[index], temperature, chunk)
         out = torch.zeros(targets.numel(), 2, dtype=lp.dtype, device=lp.device)

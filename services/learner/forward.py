@@ -9,6 +9,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from rlbus.learner.batch import TrainBatch
+from rlbus.device_copy import to_device
 from rlbus.learner.varlen_attention import VARLEN_ATTENTION
 
 
@@ -43,13 +44,13 @@ def _forward_logprobs(
         w = max(int(lengths.max()), 2)
         out = token_logprobs(
             model,
-            mb.input_ids[:, :w].to(device),
-            mb.attention_mask[:, :w].to(device),
-            mb.position_ids[:, :w].to(device),
+            to_device(mb.input_ids[:, :w], device),
+            to_device(mb.attention_mask[:, :w], device),
+            to_device(mb.position_ids[:, :w], device),
             mb.temperature,
             return_entropy=entropy,
             chunk_tokens=chunk,
-            positions=mb.response_mask[:, : w - 1].bool().to(device),
+            positions=mb.response_mask[:, : w - 1].bool(),
         )
         lp, ent = _with_entropy(out)
         pad = width - w
@@ -63,7 +64,7 @@ def _forward_logprobs(
     bounds = {}
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION:
         # the sequence bounds, from host-side lengths: no device sync inside the (compiled) layers
-        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(device=device, dtype=torch.int32)
+        cu = to_device(torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32), device)
         max_len = int(lengths.max())
         bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
     # packed index j predicts packed token j + 1; row b's predictions t = 0..n_b-2 sit at offset_b + t
@@ -76,17 +77,17 @@ def _forward_logprobs(
     wanted[0, src] = mb.response_mask[rows, cols].bool()
     out = token_logprobs(
         model,
-        ids.to(device),
+        to_device(ids, device),
         None,
-        pos.to(device),
+        to_device(pos, device),
         mb.temperature,
         return_entropy=entropy,
         chunk_tokens=chunk,
-        positions=wanted.to(device),
+        positions=wanted,
         **bounds,
     )
     lp_p, ent_p = _with_entropy(out)
-    src, rows, cols = src.to(device), rows.to(device), cols.to(device)
+    src, rows, cols = to_device(src, device), to_device(rows, device), to_device(cols, device)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
         base = torch.zeros(bsz, width - 1, dtype=values.dtype, device=values.device)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rlbus.config import RlbusConfig
+from rlbus.device_copy import to_device
 from rlbus.learner import forward, microbatch
 from rlbus.learner import model as model_setup
 from rlbus.learner.algorithms.advantages import compute_advantages, user_advantages
@@ -120,7 +121,7 @@ class PolicyTrainer:
         advantages, returns, values, shaping_metrics = self._advantages(batch, old_logprobs)
 
         token_stats = _WeightedMeans()  # token-weighted means of per-token diagnostics
-        loss_sums: dict[str, float] = {}  # per mini-batch losses, summed over mini-batches
+        loss_sums: dict[str, Any] = {}  # per mini-batch losses (device scalars until resolved), summed
         grad_norms: list[float] = []
         agg: dict[str, Any] = dict(norm_length=self.cfg.data.max_response_length)
         for _epoch in range(actor.ppo_epochs):
@@ -141,6 +142,8 @@ class PolicyTrainer:
                 grad_norms.append(float(grad_norm))
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
+        loss_sums = _as_floats(loss_sums)
+        token_stats.resolve()
         dist_context.reduce_stats(self.par, loss_sums, token_stats.sums, token_stats.weights)  # over ranks
         self.scheduler.step()
         n_updates = actor.ppo_epochs * len(minibatches)
@@ -207,13 +210,14 @@ class PolicyTrainer:
     ) -> None:
         """Forward and backward of one micro-batch: policy loss, entropy bonus, KL loss; stats recorded."""
         actor = self.cfg.actor
-        m = mb.response_mask.to(self.device)
+        dev = self.device
+        m = to_device(mb.response_mask, dev)
         logprobs, entropy = self._forward(mb, entropy=True)
         assert entropy is not None  # asked for
-        old = old_logprobs.to(self.device) if old_logprobs is not None else logprobs.detach()
-        behaviour = mb.behaviour_logprobs.to(self.device)
+        old = to_device(old_logprobs, dev) if old_logprobs is not None else logprobs.detach()
+        behaviour = to_device(mb.behaviour_logprobs, dev)
         is_w = truncated_is_weights(old, behaviour, m, actor.tis_cap)
-        adv = advantages.to(self.device)
+        adv = to_device(advantages, dev)
         if self.user_policy_loss is not None:
             pg_loss, stats = user_policy_loss(
                 self.user_policy_loss, logprobs, old, adv, m, actor.loss_agg_mode, actor, is_w
@@ -238,16 +242,18 @@ class PolicyTrainer:
         if actor.entropy_coeff:
             loss = loss - actor.entropy_coeff * aggregate_loss(entropy, m, actor.loss_agg_mode, **agg)
         if mb.ref_logprobs is not None:
-            kl_tok = kl_estimate(logprobs, mb.ref_logprobs.to(self.device), actor.kl_loss_type)
+            kl_tok = kl_estimate(logprobs, to_device(mb.ref_logprobs, dev), actor.kl_loss_type)
             if actor.use_kl_loss:
                 loss = loss + actor.kl_loss_coef * aggregate_loss(kl_tok, m, actor.loss_agg_mode, **agg)
             token_stats.add("actor/kl", kl_tok.detach(), m)
         loss.backward()
-        _add(loss_sums, "actor/pg_loss", pg_loss.item())
-        _add(loss_sums, "actor/loss", loss.item())
-        ntok = float(m.sum())
+        # statistics stay on the device until the step's end: a float() here would make the host wait for
+        # this backward before it queues the next micro-batch
+        _add(loss_sums, "actor/pg_loss", pg_loss.detach())
+        _add(loss_sums, "actor/loss", loss.detach())
+        ntok = float(mb.response_mask.sum())  # host-side copy of the mask: no wait
         for k, v in stats.items():
-            token_stats.add_scalar(f"actor/{k}", float(v), ntok)
+            token_stats.add_scalar(f"actor/{k}", torch.as_tensor(v), ntok)
         token_stats.add("actor/entropy", entropy.detach(), m)
         token_stats.add("actor/is_weight_mean", is_w, m)
         token_stats.add("actor/mismatch_kl", (old - behaviour).detach(), m)
@@ -270,23 +276,40 @@ def shaped_rewards(cfg: RlbusConfig, batch: TrainBatch) -> tuple[torch.Tensor, d
     }
 
 
-def _add(sums: dict[str, float], key: str, value: float) -> None:
+def _add(sums: dict[str, Any], key: str, value: Any) -> None:
     sums[key] = sums.get(key, 0.0) + value
 
 
+def _as_floats(values: dict[str, Any]) -> dict[str, float]:
+    """Device scalars and floats as floats, with one transfer for all the tensors (one wait for the GPU)."""
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in values.items() if k not in tensors}
+    if tensors:
+        device = next(iter(tensors.values())).device
+        flat = torch.stack([t.detach().to(device, torch.float64).reshape(()) for t in tensors.values()])
+        out.update(zip(tensors, flat.tolist(), strict=True))
+    return out
+
+
 class _WeightedMeans:
-    """Token-weighted running means, so micro-batch sizes do not skew reported diagnostics."""
+    """Token-weighted running means, so micro-batch sizes do not skew reported diagnostics. Sums and weights
+    may be device scalars while a step runs; `resolve` turns them into floats once, at its end."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
+        self.sums: dict[str, Any] = {}
+        self.weights: dict[str, Any] = {}
 
     def add(self, key: str, values: torch.Tensor, mask: torch.Tensor) -> None:
-        self.add_scalar(key, float((values * mask).sum() / mask.sum().clamp(min=1.0)), float(mask.sum()))
+        _add(self.sums, key, (values * mask).sum())
+        _add(self.weights, key, mask.sum())
 
-    def add_scalar(self, key: str, mean: float, weight: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + mean * weight
-        self.weights[key] = self.weights.get(key, 0.0) + weight
+    def add_scalar(self, key: str, mean: Any, weight: float) -> None:
+        _add(self.sums, key, mean * weight)
+        _add(self.weights, key, weight)
+
+    def resolve(self) -> None:
+        self.sums, self.weights = _as_floats(self.sums), _as_floats(self.weights)
 
     def means(self) -> dict[str, float]:
+        self.resolve()
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
