@@ -73,6 +73,8 @@ ALL_CONFIGS = [
     "rlbus+pack+liger",
     "rlbus+pack+liger/var",
     "rlbus+liger+autocast",
+    "rlbus+chunk4k",
+    "rlbus+pack+chunk4k/var",
 ]
 # What each name part adds to the rlbus config (several combine: rlbus+pack+liger).
 SUFFIX_OVERRIDES = {
@@ -86,6 +88,7 @@ SUFFIX_OVERRIDES = {
     "+eager": ["actor.use_torch_compile=false"],
     "+master": ["actor.master_weights=optimizer"],
     "+autocast": ["actor.master_weights=model"],
+    "+chunk4k": ["model.logprob_chunk_tokens=4096"],
 }
 
 

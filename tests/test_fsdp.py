@@ -258,6 +258,14 @@ def test_micro_batch_planning() -> None:
     assert sorted(i for b in bins for i in b) == list(range(8))
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
     assert microbatch.token_bins([0], [12], 10) == [[0]]  # a longer sequence goes alone
+    # balanced: as few bins as first-fit, the same rows, but no sliver left for the last bin
+    lens = [1500, 1400, 900, 300]
+    ffd = microbatch.token_bins(list(range(4)), lens, 4000)
+    assert sorted(sum(lens[i] for i in b) for b in ffd) == [300, 3800]
+    even = microbatch.balanced_bins(list(range(4)), lens, 4000)
+    assert sorted(sum(lens[i] for i in b) for b in even) == [1800, 2300]
+    assert sorted(i for b in even for i in b) == list(range(4)) and all(b == sorted(b) for b in even)
+    assert microbatch.balanced_bins([0, 1], [3000, 2000], 4000) == [[0], [1]]
     more = microbatch.equalize(bins, len(bins) + 2, lengths)
     assert len(more) == len(bins) + 2 and sorted(i for b in more for i in b) == list(range(8))
     assert microbatch.equalize([[3]], 3, lengths) == [[3], [], []]  # nothing to split: dummies

@@ -40,7 +40,8 @@ def _forward_logprobs(
     bsz, width = mb.input_ids.shape
     # Rows of one length have no padding to remove: the dense rows are the cheaper layout for the kernels
     # (measured on the H200: varlen over equal lengths ran ~5% below batched flash sdpa).
-    if not packed or bool((lengths == lengths[0]).all()):
+    # (one row goes the packed way: it is already one row, and varlen attention wants its bounds passed)
+    if not packed or (bsz > 1 and bool((lengths == lengths[0]).all())):
         w = max(int(lengths.max()), 2)
         out = token_logprobs(
             model,

@@ -42,6 +42,26 @@ def token_bins(positions: list[int], lengths: list[int], max_tokens: int) -> lis
     return bins
 
 
+def balanced_bins(positions: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """As few micro-batches as `token_bins` needs, with their tokens balanced (each next-longest sequence to
+    the lightest bin), like verl's balanced ``rearrange_micro_batches``: first-fit alone fills the first
+    bins to the brim and leaves a sliver for the last. Falls back to first-fit when balancing would break
+    the bound. Each bin keeps batch order."""
+    first_fit = token_bins(positions, lengths, max_tokens)
+    n = len(first_fit)
+    if n <= 1:
+        return [sorted(b) for b in first_fit]
+    bins: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for i in sorted(positions, key=lambda j: (-lengths[j], j)):
+        k = min(range(n), key=lambda b: (loads[b], b))
+        bins[k].append(i)
+        loads[k] += lengths[i]
+    if any(load > max_tokens and len(b) > 1 for b, load in zip(bins, loads, strict=True)):
+        return first_fit
+    return [sorted(b) for b in bins]
+
+
 def equalize(bins: list[list[int]], target: int, lengths: list[int]) -> list[list[int]]:
     """``target`` micro-batches: split the heaviest splittable one in two; ``[]`` (a dummy) when none is."""
     bins = [list(b) for b in bins]
@@ -88,7 +108,7 @@ def plan_micro_batches(
     """This rank's micro-batches of ``batch`` (or of its ``positions``), in the order to run them.
 
     Padded: ``micro_batch_size`` sequences each. Packed (``model.use_remove_padding``): token-bounded by
-    ``max_tokens`` (``actor.ppo_max_token_len_per_gpu``). Under data parallelism each rank takes its share
+    ``max_tokens`` (``actor.ppo_max_token_len_per_gpu``), as few as fit, balanced. Under data parallelism each rank takes its share
     first, and all ranks end with the same number of micro-batches (see the module docstring): a dummy
     is a real sequence with its response mask zeroed, so it adds nothing to the loss or the gradient.
     """
@@ -96,7 +116,7 @@ def plan_micro_batches(
     pos = list(range(batch.size)) if positions is None else list(positions)
     mine = split_for_ranks(pos, lengths, ctx.world_size)[ctx.rank] if ctx.distributed else pos
     if packed:
-        bins = token_bins(mine, lengths, max_tokens)
+        bins = balanced_bins(mine, lengths, max_tokens)
     else:
         bins = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
     if ctx.distributed:
