@@ -25,7 +25,7 @@ from torch import nn
 
 from rlbus.device_copy import to_device
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 4096
 
 # Model configs whose logits are not a plain linear map of the last hidden state: these keep the full path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -11,7 +11,7 @@ from e2e_utils import FAST, up_command
 
 from rlbus.config import load_config
 from rlbus.config.warnings import inert_key_warnings
-from rlbus.launcher import learner_command, rollout_gpu
+from rlbus.launcher import cpu_thread_env, learner_command, rollout_gpu, service_processes
 from rlbus.metrics_log import read_metrics
 
 STEPS = 6
@@ -32,6 +32,27 @@ def test_learner_command_and_replica_placement() -> None:
     assert [rollout_gpu(i, 2, 4) for i in range(3)] == [2, 3, 2]
     assert [rollout_gpu(i, 2, 2) for i in range(3)] == [0, 1, 0]
     assert rollout_gpu(0, 2, 0) is None
+
+
+def test_cpu_cores_are_split_between_the_services_that_compute_on_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))
+    cfg = load_config(None, ["rollout.replicas=3"])
+    procs = service_processes(cfg, tmp_path / "c.yaml", tmp_path)
+    threads = cpu_thread_env(cfg, procs, gpus=0)  # learner + 3 replicas on 8 cores: 2 each
+    assert {name: env["OMP_NUM_THREADS"] for name, env in threads.items()} == {
+        "learner": "2",
+        "rollout-0": "2",
+        "rollout-1": "2",
+        "rollout-2": "2",
+        "reward": "1",
+    }
+    on_gpu = cpu_thread_env(load_config(None, ["trainer.device=cuda", "rollout.device=cuda"]), procs, gpus=1)
+    assert on_gpu == {}  # nothing computes on the cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_thread_env(cfg, procs, gpus=0) == {}  # the user's setting wins
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from rlbus.learner.varlen_attention import VARLEN_ATTENTION
 
 
 def forward_logprobs(
-    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int = 1024
+    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int = 4096
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 

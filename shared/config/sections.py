@@ -134,7 +134,11 @@ class ModelConfig(Section):
         description="log-probs and entropies from chunks of the output projection (never full-vocabulary "
         "fp32 logits); false = the plain full-logits path",
     )
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="tokens per chunk of the fused log-prob path")
+    logprob_chunk_tokens: int = Field(
+        4096,
+        ge=1,
+        description="tokens per chunk of the fused log-prob path (H200, Qwen2-0.5B: 4096 ran 5% faster than 1024 for 1.8 GB more)",
+    )
     use_liger: bool = Field(
         False,
         description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE in the learner "
