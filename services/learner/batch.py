@@ -33,7 +33,9 @@ class TrainBatch:
         return int(self.input_ids.shape[0])
 
     def select(self, idx: torch.Tensor | Sequence[int]) -> TrainBatch:
-        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        """The rows ``idx``. A run of consecutive rows (the usual micro-batch) is a view, not a gather: the
+        gathers were a third of the host's time in a learner step on a busy H200 host."""
+        idx_t = row_index(idx)
         return TrainBatch(
             input_ids=self.input_ids[idx_t],
             attention_mask=self.attention_mask[idx_t],
@@ -47,6 +49,15 @@ class TrainBatch:
             policy_versions=self.policy_versions[idx_t],
             temperature=self.temperature,
         )
+
+
+def row_index(idx: torch.Tensor | Sequence[int]) -> torch.Tensor | slice:
+    """``idx`` as an index: a slice when the rows are consecutive (a view instead of a gather)."""
+    idx_t = torch.as_tensor(idx, dtype=torch.long)
+    n = int(idx_t.numel())
+    if n and bool((idx_t == torch.arange(int(idx_t[0]), int(idx_t[0]) + n)).all()):
+        return slice(int(idx_t[0]), int(idx_t[0]) + n)
+    return idx_t
 
 
 def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:

@@ -25,7 +25,7 @@ from rlbus.learner.algorithms.policy_loss import (
     truncated_is_weights,
     user_policy_loss,
 )
-from rlbus.learner.batch import TrainBatch
+from rlbus.learner.batch import TrainBatch, row_index
 from rlbus.learner.dist import context as dist_context
 from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
@@ -127,8 +127,9 @@ class PolicyTrainer:
         for _epoch in range(actor.ppo_epochs):
             for mb_idx in minibatches:
                 mini = batch.select(mb_idx)
-                mini_adv = advantages[mb_idx]
-                mini_old = old_logprobs[mb_idx] if old_logprobs is not None else None
+                rows = row_index(mb_idx)
+                mini_adv = advantages[rows]
+                mini_old = old_logprobs[rows] if old_logprobs is not None else None
                 # global counts / world size: FSDP averages the ranks' gradients (see dist/__init__.py)
                 agg["global_tokens"] = mini.response_mask.sum().clamp(min=1.0) / self.par.world_size
                 agg["global_seqs"] = (mini.response_mask.sum(-1) > 0).float().sum().clamp(
@@ -136,8 +137,9 @@ class PolicyTrainer:
                 ) / self.par.world_size
                 self.optimizer.zero_grad(set_to_none=True)
                 for idx, mb in self._micro_batches(mini):
-                    old = mini_old[idx] if mini_old is not None else None
-                    self._micro_step(mb, old, mini_adv[idx], agg, token_stats, loss_sums)
+                    rows = row_index(idx)
+                    old = mini_old[rows] if mini_old is not None else None
+                    self._micro_step(mb, old, mini_adv[rows], agg, token_stats, loss_sums)
                 grad_norm = model_setup.clip_grad_norm(self.model.parameters(), actor.optim.grad_clip)
                 grad_norms.append(float(grad_norm))
                 if math.isfinite(float(grad_norm)):
