@@ -21,10 +21,9 @@ The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, inte
 attention per token, recompute not counted, padding not counted (see ``perf.train_flops_per_token``).
 
 Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 8, bf16, the
-median of 3 steps), 2026-12-03: plain-bf16 84.8k tok/s (27.7% MFU, 52.7 GB); rlbus 106.8k (34.9%, 23.5 GB,
-1.26x); rlbus+autocast 102.0k (1.20x); rlbus+eager 80.5k (0.95x); rlbus+nofuse 95.2k (1.12x, 82.7 GB);
-rlbus+pack 86.6k (1.02x); mixed lengths: plain-bf16 44.2k, rlbus 55.6k (1.26x), rlbus+pack 58.5k (1.32x).
-The README's Benchmarks section has the table and a second run's caveat (compile state).
+median of 4 steps), 2026-12-04: plain-bf16 85.2k tok/s (27.8% MFU, 52.7 GB); rlbus 118.2k (38.6%, 25.3 GB,
+1.39x); rlbus+pack 120.7k; mixed lengths: plain-bf16 43.9k, rlbus 66.5k, rlbus+pack 100.9k (1.52x padded).
+The README's Benchmarks section has the table, the command and what changed.
 
 Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
 ``rlbus.<service>`` -> ``services/<service>/`` are mapped at start-up):

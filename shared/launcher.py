@@ -196,7 +196,7 @@ def cpu_thread_env(cfg: RlbusConfig, procs: list[ServiceProcess], gpus: int) -> 
     on_cpu = {
         "learner": gpus == 0 or cfg.trainer.device == "cpu",
         "rollout": gpus == 0 or cfg.rollout.device == "cpu",
-        "ref": gpus == 0 or cfg.trainer.device == "cpu",
+        "ref": gpus == 0 or (cfg.ref.device or cfg.trainer.device) == "cpu",
     }
     compute = [p for p in procs if on_cpu.get(p.service, False)]
     if not compute:

@@ -165,6 +165,12 @@ class WeightAnnouncement(Message):
     tensor_group: TensorGroup | None = Field(
         None, description="replicas that receive per tensor (SGLang), in a group of their own"
     )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="the learner's trainer.weight_push_timeout_s: how long a receiver may wait on this push "
+        "(None: an older learner; the replica uses its own copy of the key)",
+    )
 
 
 class Heartbeat(Message):

@@ -97,6 +97,7 @@ async def test_learner_pusher_reaches_a_per_tensor_replica(
             pushes.append(ann)
             assert ann.tensor_group is not None and ann.tensor_group.ranks == {replica_id: 1}
             assert ann.ranks == {} and ann.ipc_replicas == []  # not in the bucketed group
+            assert ann.timeout_s == 60  # the replica waits inside the push as long as the learner does
             assert got.keys() == weights.keys()
             for name, t in weights.items():
                 assert torch.equal(got[name], t), name

@@ -290,6 +290,7 @@ class WeightPusher:
             ipc_buffer=IpcBuffer(**ipc_buffer) if ipc_buffer else None,
             new_group=new_group,
             tensor_group=tensor_group,
+            timeout_s=self.timeout_s,
             **plan.announcement_fields(),
         )
 

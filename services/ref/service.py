@@ -20,7 +20,7 @@ class ReferenceModel:
         from rlbus.modeling import load_causal_lm, load_tokenizer, pick_device
 
         path = cfg.ref.model_path or resolve_model_path(cfg.model.path, cfg.model.use_shm)
-        self.device = pick_device(cfg.trainer.device)
+        self.device = pick_device(cfg.ref.device or cfg.trainer.device)
         self.model = load_causal_lm(path, cfg.model.dtype, self.device, trainable=False)
         self.pad_id = int(load_tokenizer(path).pad_token_id)
         self.micro_batch_size = cfg.ref.micro_batch_size

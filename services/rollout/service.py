@@ -53,7 +53,7 @@ class Replica:
     async def weight_loop(self) -> None:
         """Takes part in every broadcast the learner announces with us as a member."""
         replica_id = self.ctx.instance_id
-        timeout = self.ctx.cfg.trainer.weight_push_timeout_s
+        own_timeout = self.ctx.cfg.trainer.weight_push_timeout_s  # only for an announcement without one
         async for raw in self.ctx.state.watch_announcements():
             if self.ctx.stop.is_set():
                 return
@@ -91,6 +91,7 @@ class Replica:
                         if per_tensor and ann.tensor_group
                         else ann.ranks[replica_id]
                     )
+                    timeout = ann.timeout_s or own_timeout  # the learner's: both ends wait as long
                     await asyncio.to_thread(self.engine.receive_weights, ann, rank, timeout)
             except Exception as exc:  # the learner notices too, and re-forms the group
                 self.ctx.log.error(

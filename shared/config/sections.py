@@ -283,6 +283,9 @@ class CustomRewardFunctionConfig(Section):
 
 
 class RefConfig(Section):
+    device: Literal["auto", "cpu", "cuda"] | None = Field(
+        None, description="where the reference model runs; None = trainer.device (where it ran before)"
+    )
     micro_batch_size: int = Field(16, ge=1, description="sequences per reference forward pass")
     model_path: Path | None = Field(None, description="None = the policy's initial weights")
 

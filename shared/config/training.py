@@ -197,7 +197,10 @@ class TrainerConfig(Section):
         300.0, gt=0, description="longest wait for ready trajectories before giving up"
     )
     weight_push_timeout_s: float = Field(
-        60.0, gt=0, description="seconds a weight push (and a replica's wait inside it) may take"
+        60.0,
+        gt=0,
+        description="seconds a weight push may take; the learner announces it with each push, so a replica "
+        "waits inside the push exactly as long",
     )
     weight_bucket_mb: int = Field(64, ge=1, description="size of one weight-push bucket")
     weight_sync_backend: Literal["auto", "cuda_ipc", "nccl", "gloo"] = Field(
