@@ -188,9 +188,9 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_lin
         assert gap <= budget, (
             f"{what} at step {step}: {gap:.1f} s without a new step (budget {budget:.1f})\n{report}"
         )
-    # Target 1.5x (issue 14); measured 1.68x on the 2-core CI kind (2026-12-03): each of the 7 process
-    # restarts spends seconds of CPU on imports and model loading that the running services need. The
-    # bound below guards against regressions until the restarts get cheaper.
+    # Target 1.5x (issue 14), read from the report above in the CI log: 1.37x, 1.36x and 1.32x in the last
+    # three fresh-clone CI runs on the 2-core kind (2026-12-03/04; 1.41-1.68x before the services got a
+    # share of the cores each). The assertion is a regression guard with room for a slow machine.
     assert chaos.wall_s <= 2.0 * calm.wall_s, report
     assert abs(chaos_acc - calm_acc) <= 0.15, report
 
