@@ -186,9 +186,9 @@ def logprob_head(
     (which gather the root's parameters, the output projection among them) see an ordinary call.
 
     ``positions`` (bool ``[B, L-1]``, best on the CPU: its index is taken there, without a device sync): only
-    these positions go through the output projection, the others read 0. The loss looks at response tokens only, so the prompt's and the padding's share of the largest
-    matrix product of a small model (a 151,936-row head is over a quarter of Qwen2-0.5B's FLOPs) is skipped,
-    forward and backward."""
+    these positions go through the output projection, the others read 0. The loss looks at response tokens
+    only, so the prompt's and the padding's share of the largest matrix product of a small model (a
+    151,936-row head is over a quarter of Qwen2-0.5B's FLOPs) is skipped, forward and backward."""
     head = cast(Any, model).get_output_embeddings()
     targets = input_ids[:, 1:]
 

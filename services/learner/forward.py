@@ -10,12 +10,18 @@ from torch import nn
 
 if TYPE_CHECKING:
     from rlbus.learner.batch import TrainBatch
+from rlbus.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rlbus.device_copy import to_device
 from rlbus.learner.varlen_attention import VARLEN_ATTENTION
 
 
 def forward_logprobs(
-    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int = 4096
+    model: nn.Module,
+    mb: TrainBatch,
+    device: torch.device,
+    packed: bool,
+    entropy: bool,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
