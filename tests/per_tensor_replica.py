@@ -25,14 +25,24 @@ def main(replica_id: str, announcement: Path, versions: int, out_dir: Path) -> N
     pg = join_per_tensor_group(
         ann.master_addr, g.master_port, g.ranks[replica_id], g.world_size, g.group_name, g.backend, 60
     )
-    for i in range(versions):
-        got = {}
-        for name, dtype, shape in zip(ann.names, ann.dtypes, ann.shapes, strict=True):
-            t = torch.empty(shape, dtype=dtype_from_str(dtype))
-            dist.broadcast(t, src=0, group=pg)
-            got[name] = t
-        torch.save(got, out_dir / f"{i}.pt.tmp")
-        (out_dir / f"{i}.pt.tmp").rename(out_dir / f"{i}.pt")
+    try:
+        for i in range(versions):
+            _receive_version(pg, ann, out_dir / f"{i}.pt")
+    finally:
+        # gloo's threads must be joined before the interpreter exits, or the process aborts
+        # ("terminate called without an active exception"), as SGLang's workers destroy theirs
+        dist.destroy_process_group(pg)
+
+
+def _receive_version(pg: dist.ProcessGroup, ann: WeightAnnouncement, out: Path) -> None:
+    got = {}
+    for name, dtype, shape in zip(ann.names, ann.dtypes, ann.shapes, strict=True):
+        t = torch.empty(shape, dtype=dtype_from_str(dtype))
+        dist.broadcast(t, src=0, group=pg)
+        got[name] = t
+    tmp = out.with_suffix(".tmp")
+    torch.save(got, tmp)
+    tmp.rename(out)
 
 
 if __name__ == "__main__":
