@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 log = get_logger("launcher")
 
+TEND_EVERY_S = 0.1  # how soon a dead service is seen and restarted (past its backoff)
+CONSOLE_EVERY_S = 1.0  # the progress line and the services' notices
+
 
 def run_dir_of(cfg: RlbusConfig) -> Path:
     return Path(cfg.run.dir) / cfg.run.id
@@ -40,6 +43,7 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     command: list[str] | None = None  # what runs instead of `python -m rlbus.cli <service>` (torchrun)
     proc: subprocess.Popen | None = None
+    started_at: float | None = None  # time.monotonic() at the last start
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +56,7 @@ class ServiceProcess:
             env=env,
             start_new_session=True,
         )
+        self.started_at = time.monotonic()
         out.close()
         return self
 
@@ -248,7 +253,7 @@ def tend(procs: list[ServiceProcess], supervisor: Supervisor, cfg: RlbusConfig) 
         return Outcome(rc=0)
     for p in procs:
         code = p.proc.poll() if p.proc is not None else None
-        action = supervisor.on_exit(p.name, code, time.monotonic())
+        action = supervisor.on_exit(p.name, code, time.monotonic(), p.started_at)
         if action is Action.REFUSED:
             log.error(
                 "service refused its configuration; stopping the run", service=p.name, log=str(p.log_path)
@@ -331,9 +336,12 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     try:
         for p in procs:
             p.start()
+        console_at = time.monotonic()
         while not stopping:
-            time.sleep(1.0)
-            console.update()
+            time.sleep(TEND_EVERY_S)  # a dead service is seen within this (polls are cheap)
+            if time.monotonic() - console_at >= CONSOLE_EVERY_S:
+                console.update()
+                console_at = time.monotonic()
             ended = tend(procs, supervisor, cfg)
             if ended is not None:
                 outcome = ended

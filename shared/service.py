@@ -42,6 +42,12 @@ class ServiceContext:
     health: Any = None
     metrics: Any = None
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this process start
+    beat_due: bool = False  # set by beat_soon: the next status poll beats
+
+    def beat_soon(self) -> None:
+        """Heartbeat at the next status poll rather than the next interval: the learner waits for a fresh beat
+        from each member of a failed weight push before it forms the next group."""
+        self.beat_due = True
 
     @property
     def run_dir(self) -> Path:
@@ -76,14 +82,14 @@ def default_instance_id(service: str) -> str:
 
 async def _heartbeat_loop(ctx: ServiceContext) -> None:
     """Beats every HEARTBEAT_INTERVAL_S, and at once when the status changes (so `ready` is seen
-    without waiting for the next beat)."""
+    without waiting for the next beat) or the service asks (`beat_soon`)."""
     sent_status: str | None = None
     sent_at = float("-inf")
     while not ctx.stop.is_set():
         if ctx.health is not None:
             ctx.health.set_ready(ctx.status == "ready", reason=ctx.status)
-        if ctx.status != sent_status or time.monotonic() - sent_at >= HEARTBEAT_INTERVAL_S:
-            sent_status, sent_at = ctx.status, time.monotonic()
+        if ctx.beat_due or ctx.status != sent_status or time.monotonic() - sent_at >= HEARTBEAT_INTERVAL_S:
+            sent_status, sent_at, ctx.beat_due = ctx.status, time.monotonic(), False
             try:
                 await ctx.state.heartbeat(ctx.heartbeat())
             except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves

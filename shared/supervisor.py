@@ -1,7 +1,8 @@
 """When `rlbus up` restarts a service that died, as compose's `restart: on-failure` would.
 
-A service that exits non-zero is started again after a backoff that doubles with each of its restarts
-(capped), up to `run.max_restarts` times; the learner too (it resumes from its last checkpoint). Past the
+A service that exits non-zero is started again after a backoff that doubles with each quick death in a
+row (capped) and starts over once the service had run STABLE_RUN_S, as Docker's restart policy does; up
+to `run.max_restarts` restarts in all; the learner too (it resumes from its last checkpoint). Past the
 cap the run stops with one clear message instead of restarting forever. A service that refused its
 configuration (`EXIT_REFUSED`), or a learner whose weight push kept failing for one reason
 (`EXIT_PUSH_FAILED`), is never restarted: it would stop the same way again.
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED
+
+STABLE_RUN_S = 10.0  # Docker's: a container that ran this long restarts after the first delay again
 
 
 class Action(Enum):
@@ -30,9 +33,11 @@ class Supervisor:
     max_backoff_s: float = 30.0
     restarts: dict[str, int] = field(default_factory=dict)
     due: dict[str, float] = field(default_factory=dict)  # name -> when its pending restart may happen
+    quick_deaths: dict[str, int] = field(default_factory=dict)  # name -> deaths in a row before STABLE_RUN_S
 
-    def on_exit(self, name: str, rc: int | None, now: float) -> Action:
-        """What to do about service `name`, seen with exit code `rc` (None = still running) at time `now`."""
+    def on_exit(self, name: str, rc: int | None, now: float, started_at: float | None = None) -> Action:
+        """What to do about service `name`, seen with exit code `rc` (None = still running) at time `now`;
+        `started_at` is when this process of it started (None: unknown, counted as a quick death)."""
         if rc is None or rc == 0:
             self.due.pop(name, None)
             return Action.NOTHING
@@ -44,7 +49,10 @@ class Supervisor:
         if done >= self.max_restarts:
             return Action.GIVE_UP
         if name not in self.due:
-            self.due[name] = now + min(self.max_backoff_s, self.backoff_s * 2**done)
+            stable = started_at is not None and now - started_at >= STABLE_RUN_S
+            streak = 0 if stable else self.quick_deaths.get(name, 0)
+            self.quick_deaths[name] = streak + 1
+            self.due[name] = now + min(self.max_backoff_s, self.backoff_s * 2**streak)
         if now < self.due[name]:
             return Action.NOTHING
         del self.due[name]

@@ -18,6 +18,7 @@ from nats.js.errors import ObjectNotFoundError
 
 from rlbus import codec
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, RunState, Stage, connect, redact_url
+from rlbus.bus.disconnects import ConnectionLostError, unless_disconnected
 from rlbus.bus.headers import CLAIM_HEADER, DELIVERED_HEADER, ORIGINAL_SUBJECT_HEADER, STAGE_HEADER
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames
 from rlbus.config.schema import RlbusConfig
@@ -538,6 +539,32 @@ async def test_bus_survives_a_server_restart(private_nats: LocalNatsServer, run_
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+async def test_a_request_in_flight_when_the_server_dies_is_retried_on_the_new_connection(
+    private_nats: LocalNatsServer, run_id: str
+) -> None:
+    """nats-py lets a request lost with its socket wait out its whole timeout (a KV read: 5 s, in every
+    service at once); ours end when the connection drops and go out again on the next one."""
+    async with Bus.connect(bus_cfg(private_nats.url, run_id), name="inflight") as bus:
+        never_answered = await bus.nc.subscribe(f"rlbus.test.{run_id}.silent")  # holds the request open
+        lost = asyncio.create_task(
+            unless_disconnected(
+                bus.nc, lambda: bus.nc.request(f"rlbus.test.{run_id}.silent", b"?", timeout=600)
+            )
+        )
+        await bus.nc.flush()
+        while never_answered.pending_msgs == 0:  # the request reached the server: it is in flight
+            await asyncio.sleep(0.01)
+        state = await bus.state()
+        await state.set_policy_version(7)
+
+        private_nats.restart()
+
+        with pytest.raises(ConnectionLostError):
+            await asyncio.wait_for(lost, 60)  # not the request's 600 s timeout
+        # the retrying calls go out once the client is back, on the new connection
+        assert await asyncio.wait_for(state.get_policy_version(), 60) == 7
 
 
 async def test_deleting_a_durable_hands_its_unacked_items_to_the_next_consumer_at_once(

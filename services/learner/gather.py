@@ -21,6 +21,7 @@ from rlbus.service import ServiceContext
 
 WAIT_LOG_EVERY_S = 10.0
 KEEPALIVE_EVERY_S = 10.0
+PUSH_RETRY_POLL_S = 0.25  # how soon a failed weight push is tried again while no data arrives
 
 
 class LearnerStalled(RuntimeError):
@@ -177,8 +178,11 @@ class Gatherer:
             held, self.overflow = self.overflow, []
             for d in held:
                 await self.consider(d, batch, need)
+            # a failed push is retried between fetches: look again soon, the replicas are idle meanwhile
+            retry_due = learner.pusher.pushed_version < learner.version
             deliveries = await self.consumer.fetch(
-                batch=max(1, need - len(batch) + len(self.val_pending)), timeout=1.0
+                batch=max(1, need - len(batch) + len(self.val_pending)),
+                timeout=PUSH_RETRY_POLL_S if retry_due else 1.0,
             )
             now = time.monotonic()
             for d in deliveries:

@@ -97,6 +97,7 @@ class Replica:
                 self.ctx.log.error(
                     "weight receive failed", version=ann.version, epoch=ann.epoch, error=str(exc)
                 )
+                self.ctx.beat_soon()  # proof of life: the learner re-forms the group without us until then
                 continue
             self.ctx.stats["weight_recv_s"] = time.perf_counter() - t0
             self.joined_epoch = ann.epoch

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 from nats.aio.client import Client
 from nats.errors import AuthorizationError
 
+from rlbus.bus.disconnects import disconnects_of
 from rlbus.config.schema import BusConfig
 
 try:
@@ -135,10 +136,12 @@ async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> 
         log.warning("bus.error", name=name, url=safe_url, error=_safe_error(exc, secrets))
 
     async def on_disconnect() -> None:
+        disconnects_of(nc).fire()  # requests in flight on the dropped connection are retried now
         if state["connected"] and not nc.is_closed:  # a close() of our own is not news
             log.warning("bus.disconnected", name=name, url=safe_url)
 
     async def on_reconnect() -> None:
+        disconnects_of(nc).reconnected()
         log.info(
             "bus.reconnected",
             name=name,

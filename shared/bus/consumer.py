@@ -11,6 +11,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from rlbus.bus.connect import log
+from rlbus.bus.disconnects import unless_disconnected
 from rlbus.bus.headers import ACK_IGNORED_TRIES, ACK_TIMEOUT_S, CLAIM_HEADER, ClaimMissingError
 from rlbus.bus.retry import PUBLISH_DEADLINE_S, RETRYABLE
 from rlbus.bus.subjects import Stage
@@ -80,7 +81,7 @@ class Delivery:
         delay, ignored = 0.1, 0
         while True:
             try:
-                await self.raw.ack_sync(timeout=timeout)
+                await unless_disconnected(self._consumer.bus.nc, lambda: self.raw.ack_sync(timeout=timeout))
                 return True
             except RETRYABLE as exc:
                 error = f"{type(exc).__name__}: {exc}"

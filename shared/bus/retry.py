@@ -1,5 +1,9 @@
 """Retrying idempotent NATS requests through a server restart or a reconnect (publishes carry a
-Nats-Msg-Id, acks can be repeated), with backoff up to a deadline."""
+Nats-Msg-Id, acks can be repeated), with backoff up to a deadline.
+
+An attempt on a client that disconnects ends at once and is retried on the new connection
+(rlbus.bus.disconnects says why).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from nats.aio.client import Client
 from nats.errors import (
     ConnectionReconnectingError,
     NoRespondersError,
@@ -18,10 +23,12 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from rlbus.bus.connect import log
+from rlbus.bus.disconnects import ConnectionLostError, unless_disconnected
 
 PUBLISH_DEADLINE_S = 30.0
 """How long a publish (or ack) keeps retrying through a reconnect before it raises."""
 T = TypeVar("T")
+
 
 # Errors after which the same request may simply be sent again: the server was away or not ready.
 # A request written to a dying socket is lost silently and surfaces as a timeout.
@@ -34,11 +41,18 @@ RETRYABLE = (
     ConnectionReconnectingError,
     OutboundBufferLimitError,
     StaleConnectionError,
+    ConnectionLostError,
 )
 
 
-async def with_retry(what: str, fn: Callable[[], Awaitable[T]], deadline_s: float = PUBLISH_DEADLINE_S) -> T:
-    """Run `fn` until it succeeds, retrying RETRYABLE errors with backoff for up to `deadline_s`.
+async def with_retry(
+    what: str,
+    fn: Callable[[], Awaitable[T]],
+    deadline_s: float = PUBLISH_DEADLINE_S,
+    nc: Client | None = None,
+) -> T:
+    """Run `fn` until it succeeds, retrying RETRYABLE errors with backoff for up to `deadline_s`; an attempt
+    on client `nc` ends at once when `nc` disconnects.
 
     Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated.
     """
@@ -46,7 +60,7 @@ async def with_retry(what: str, fn: Callable[[], Awaitable[T]], deadline_s: floa
     delay = 0.1
     while True:
         try:
-            return await fn()
+            return await unless_disconnected(nc, fn)
         except RETRYABLE as exc:
             if time.monotonic() + delay >= deadline:
                 raise

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js import api as js_api
@@ -32,19 +33,21 @@ _SCAN_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
 
-async def _retry(what: str, fn: Callable[[], Awaitable[T]]) -> T:
-    return await with_retry(what, fn)
-
-
 class RunState:
     """Typed access to the run's KV bucket `rlbus_<run>_state`."""
 
-    def __init__(self, kv: KeyValue, names: RunNames) -> None:
+    def __init__(self, kv: KeyValue, names: RunNames, nc: Client | None = None) -> None:
         self.kv = kv
         self.names = names
+        self.nc = nc  # its disconnects end a request at once (rlbus.bus.disconnects)
+
+    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        return await with_retry(what, fn, nc=self.nc)
 
     @classmethod
-    async def open(cls, js: JetStreamContext, names: RunNames, storage: str = "file") -> RunState:
+    async def open(
+        cls, js: JetStreamContext, names: RunNames, storage: str = "file", nc: Client | None = None
+    ) -> RunState:
         """Bind to the bucket, creating it when missing."""
         bucket = names.state_bucket
         try:
@@ -55,7 +58,7 @@ class RunState:
                 kv = await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, storage=st))
             except BadRequestError:  # another service created it a moment ago with other settings
                 kv = await js.key_value(bucket)
-        return cls(kv, names)
+        return cls(kv, names, nc)
 
     async def _get(self, key: str) -> bytes | None:
         entry = await self._entry(key)
@@ -65,7 +68,7 @@ class RunState:
 
     async def set_policy_version(self, version: int) -> int:
         """Record the learner's current policy version (retried through a reconnect); returns the KV revision."""
-        return await _retry(
+        return await self._retry(
             "kv put policy version", lambda: self.kv.put(POLICY_VERSION_KEY, codec.pack(int(version)))
         )
 
@@ -77,7 +80,7 @@ class RunState:
 
     async def put_announcement(self, data: bytes) -> int:
         """Store an encoded WeightAnnouncement (bytes from rlbus.messages.encode), retried through a reconnect."""
-        return await _retry("kv put announcement", lambda: self.kv.put(ANNOUNCE_KEY, data))
+        return await self._retry("kv put announcement", lambda: self.kv.put(ANNOUNCE_KEY, data))
 
     async def get_announcement(self) -> bytes | None:
         return await self._get(ANNOUNCE_KEY)
@@ -137,7 +140,7 @@ class RunState:
             except (KeyNotFoundError, NotFoundError):
                 return None
 
-        return await _retry(f"kv get {key}", get)
+        return await self._retry(f"kv get {key}", get)
 
     # ------------------------------------------------------------ heartbeats
 
@@ -151,7 +154,7 @@ class RunState:
 
     async def _scan(self, pattern: str) -> list[tuple[str, bytes]]:
         """Current (key, value) pairs matching a KV key pattern (retried through a reconnect)."""
-        return await _retry(f"kv scan {pattern}", lambda: self._scan_once(pattern))
+        return await self._retry(f"kv scan {pattern}", lambda: self._scan_once(pattern))
 
     async def _scan_once(self, pattern: str) -> list[tuple[str, bytes]]:
         watcher = await self.kv.watch(pattern, ignore_deletes=True)

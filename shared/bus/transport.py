@@ -31,6 +31,7 @@ from rlbus import codec
 from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
 from rlbus.bus.consumer import Consumer
+from rlbus.bus.disconnects import unless_disconnected
 from rlbus.bus.headers import (
     _NAME_RE,
     CLAIM_HEADER,
@@ -243,7 +244,7 @@ class Bus:
     async def state(self) -> RunState:
         """The run's RunState (KV bucket), created on first use."""
         if self._state is None:
-            self._state = await RunState.open(self.js, self.names, storage=self.cfg.storage)
+            self._state = await RunState.open(self.js, self.names, storage=self.cfg.storage, nc=self.nc)
         return self._state
 
     # ---------------------------------------------------------------- publish
@@ -279,7 +280,9 @@ class Bus:
     ) -> js_api.PubAck:
         timeout = 2.0 + len(data) / (2 * 1024 * 1024)  # short: a retry (deduplicated) beats a long wait
         return await with_retry(
-            what, lambda: self.js.publish(subject, data, timeout=timeout, stream=stream, headers=dict(hdrs))
+            what,
+            lambda: self.js.publish(subject, data, timeout=timeout, stream=stream, headers=dict(hdrs)),
+            nc=self.nc,
         )
 
     async def _publish_claim(
@@ -290,7 +293,7 @@ class Bus:
         name = f"{stage.value}/{self.nc._nuid.next().decode()}"
         chunk = max(128 * 1024, min(1024 * 1024, self.inline_limit // 2))
         meta = js_api.ObjectMeta(name=name, options=js_api.ObjectMetaOptions(max_chunk_size=chunk))
-        await with_retry(f"claim put {stage.value}", lambda: obs.put(name, data, meta=meta))
+        await with_retry(f"claim put {stage.value}", lambda: obs.put(name, data, meta=meta), nc=self.nc)
         hdrs = {**hdrs, CLAIM_HEADER: name, CLAIM_SIZE_HEADER: str(len(data))}
         stub = codec.pack({"claim": name, "size": len(data), "kind": kind, "bucket": self.names.blobs_bucket})
         try:
@@ -321,10 +324,12 @@ class Bus:
         seq = int(meta.sequence.stream)
         try:
             try:
-                await self.js.get_msg(meta.stream, seq=seq)
+                await unless_disconnected(self.nc, lambda: self.js.get_msg(meta.stream, seq=seq))
             except NotFoundError:
                 return "gone"
-            info = await self.js.consumer_info(meta.stream, meta.consumer)
+            info = await unless_disconnected(
+                self.nc, lambda: self.js.consumer_info(meta.stream, meta.consumer)
+            )
         except Exception as exc:  # the server is away again
             log.debug("bus.ack_check_failed", stream=meta.stream, error=f"{type(exc).__name__}: {exc}")
             return None
