@@ -16,6 +16,7 @@ from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
+from rlbus.preforked import ForkedService
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
 
@@ -42,22 +43,32 @@ class ServiceProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     command: list[str] | None = None  # what runs instead of `python -m rlbus.cli <service>` (torchrun)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedService | None = None
     started_at: float | None = None  # time.monotonic() at the last start
+    preforked: bool = False  # forked from the preloaded server (rlbus.preforked), not a fresh interpreter
+
+    @property
+    def pid_path(self) -> Path:
+        """Where the running process's pid is written, beside its log (for operators and tests)."""
+        return self.log_path.with_suffix(".pid")
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(
-            [*(self.command or [sys.executable, "-m", "rlbus.cli", self.service]), *self.args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        if self.preforked and self.command is None:
+            self.proc = ForkedService([self.service, *self.args], env, self.log_path)
+        else:
+            out = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+            self.proc = subprocess.Popen(
+                [*(self.command or [sys.executable, "-m", "rlbus.cli", self.service]), *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            out.close()
         self.started_at = time.monotonic()
-        out.close()
+        self.pid_path.write_text(f"{self.proc.pid}\n")
         return self
 
     @property
@@ -321,6 +332,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     for p in procs:
         p.env.update(gpu_env(gpus))
         p.env.update(threads.get(p.name, {}))
+        p.preforked = cfg.run.service_start == "fork"
     stopping = False
 
     def _stop(signum: int, _frame: object) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -139,7 +140,9 @@ async def run_service(
         hb = asyncio.create_task(_heartbeat_loop(ctx))
         from rlbus.bus import redact_url
 
-        log.info("service started", bus=redact_url(url), run=cfg.run.id)
+        torch = sys.modules.get("torch")  # the threads it computes with: rlbus up shares the cores out
+        threads = torch.get_num_threads() if torch is not None else None
+        log.info("service started", bus=redact_url(url), run=cfg.run.id, torch_threads=threads)
         try:
             rc = await body(ctx)
         finally:

@@ -51,23 +51,18 @@ def rlbus_up(
     )
 
 
-def service_children(parent: int) -> dict[str, int]:
-    """The services `rlbus up` (pid `parent`) started, read from /proc: name -> pid, a rollout replica by its
-    replica id (rollout-0, rollout-1, ...)."""
+def service_children(run_dir: Path) -> dict[str, int]:
+    """The live services `rlbus up` runs in `run_dir`, from the pid file it writes beside each log:
+    name -> pid, a rollout replica by its replica id (rollout-0, rollout-1, ...)."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid_file in (run_dir / "logs").glob("*.pid"):
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat[1]) == parent and b"rlbus.cli" in args:
-            name = args[args.index(b"rlbus.cli") + 1].decode()
-            if b"--replica-id" in args:  # rollout-0, rollout-1, ...
-                name = args[args.index(b"--replica-id") + 1].decode()
-            out[name] = int(entry.name)
+            pid = int(pid_file.read_text())
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError):
+            continue  # gone, or being rewritten
+        if state not in ("Z", "X"):  # a dead child its parent has not reaped yet is not a service
+            out[pid_file.stem] = pid
     return out
 
 

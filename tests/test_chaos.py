@@ -110,7 +110,7 @@ def _run(
             step = int(row[0]) if row else 0
             if pending and step >= pending[0][0]:
                 _, what = pending.pop(0)
-                obs.events.append((now, step, _inject(what, up.pid, server, cfg, rng)))
+                obs.events.append((now, step, _inject(what, run_dir, server, cfg, rng)))
             time.sleep(0.1)
         obs.returncode = up.returncode
         obs.stderr = up.stderr.read() if up.stderr else ""
@@ -122,20 +122,20 @@ def _run(
     return obs
 
 
-def _inject(what: str, up_pid: int, server: LocalNatsServer, cfg: RlbusConfig, rng: random.Random) -> str:
+def _inject(what: str, run_dir: Path, server: LocalNatsServer, cfg: RlbusConfig, rng: random.Random) -> str:
     if what == "nats":
         server.restart()
         return "NATS restarted on its store"
     if what == "junk":
         asyncio.run(_publish_junk(cfg, 200))
         return "200 junk messages on prompts and trajectories"
-    children = service_children(up_pid)
+    children = service_children(run_dir)
     if what == "rollout":
         what = rng.choice(sorted(n for n in children if n.startswith("rollout")))
     pid = children.get(what)
     if pid is None:  # restarting right now: wait for its successor, then kill that
-        wait_until(lambda: what in service_children(up_pid), 30, f"{what} to be back")
-        pid = service_children(up_pid)[what]
+        wait_until(lambda: what in service_children(run_dir), 30, f"{what} to be back")
+        pid = service_children(run_dir)[what]
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL {what}"
 

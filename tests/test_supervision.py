@@ -46,12 +46,12 @@ def test_killed_services_are_restarted_and_the_run_finishes(
             return int(rows[-1]["step"]) if rows else 0
 
         wait_until(lambda: step() >= 5, 180, "step 5")
-        os.kill(service_children(up.pid)["rollout-0"], signal.SIGKILL)
+        os.kill(service_children(run_dir)["rollout-0"], signal.SIGKILL)
         wait_until(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
-        learner = service_children(up.pid)["learner"]
+        learner = service_children(run_dir)["learner"]
         os.kill(learner, signal.SIGKILL)
         wait_until(
-            lambda: service_children(up.pid).get("learner") not in (None, learner), 60, "a new learner"
+            lambda: service_children(run_dir).get("learner") not in (None, learner), 60, "a new learner"
         )
         out, err = up.communicate(timeout=300)
     finally:

@@ -43,7 +43,16 @@ class RunConfig(Section):
         "(the learner resumes from its last checkpoint), then stops the run",
     )
     restart_backoff_s: float = Field(
-        1.0, ge=0.0, description="wait before a restart; doubles per restart, at most 30 s"
+        1.0,
+        ge=0.0,
+        description="wait before a restart; doubles while a service keeps dying within 10 s of its start "
+        "(at most 30 s), and is this again once it ran 10 s (Docker's rule)",
+    )
+    service_start: Literal["fork", "exec"] = Field(
+        "fork",
+        description="how `rlbus up` starts its services: fork = from one process that already imported "
+        "torch and transformers (a start or restart skips 2-4 s of imports); exec = a fresh "
+        "`python -m rlbus.cli` each, as compose and k8s start them",
     )
 
 

@@ -1,0 +1,15 @@
+"""What the preforked service server (rlbus.preforked) imports once for every service it forks: torch,
+transformers' model classes and the services' own modules. Imports only: no CUDA, no threads of our own,
+no sockets, so a fork of this state is as clean as a fresh interpreter."""
+
+import torch  # noqa: F401
+import transformers.generation.utils  # noqa: F401
+import transformers.models.auto.modeling_auto  # noqa: F401
+
+import rlbus.cli  # noqa: F401
+import rlbus.learner.service  # noqa: F401
+import rlbus.modeling  # noqa: F401
+import rlbus.ref.service  # noqa: F401
+import rlbus.reward.service  # noqa: F401
+import rlbus.rollout.engines.hf  # noqa: F401
+import rlbus.rollout.service  # noqa: F401
