@@ -13,6 +13,7 @@ Compose and k8s start every service as a fresh process; `run.service_start=exec`
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 PRELOAD = ["rlbus.preload"]  # imported once in the server, inherited by every child
+ENTRY_POINT = "rlbus.cli:main"  # what each child runs with its argv, as the `rlbus` console script does
 
 
 class ForkedService:
@@ -76,11 +78,10 @@ def _service_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the server's choices are not the service's
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     _apply_thread_count(env)
-    from rlbus.cli import main
-
+    module, function = ENTRY_POINT.split(":")
     code = 1
     try:
-        code = main(argv)
+        code = getattr(importlib.import_module(module), function)(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:

@@ -112,15 +112,21 @@ def _backoff_handler(servers: list[Any], info: dict[str, Any]) -> tuple[Any, flo
     return None, delay * (0.5 + random.random() / 2)
 
 
-async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> Client:
-    """Connected client for `url` (comma-separated for a cluster). Raises BusConnectError after `wait_s`."""
-    safe_url = redact_url(url)
+def _secrets(cfg: BusConfig, url: str) -> list[str]:
+    """What must never appear in a log line: the configured password and token, and the URL's."""
     secrets = [s for s in (cfg.password, cfg.token) if s]
     split = urlsplit(url.split(",")[0].strip())
     if split.password:
         secrets.append(split.password)
     elif split.username and split.scheme:
         secrets.append(split.username)  # nats://<token>@host: the user part is the token
+    return secrets
+
+
+async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> Client:
+    """Connected client for `url` (comma-separated for a cluster). Raises BusConnectError after `wait_s`."""
+    safe_url = redact_url(url)
+    secrets = _secrets(cfg, url)
     tls = _tls_context(cfg)
     auth = _auth_options(cfg)
     state: dict[str, Any] = {"connected": False, "last_error": None}
