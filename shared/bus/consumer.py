@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Protocol
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -20,7 +21,10 @@ from rlbus.messages import Message, MessageError, decode
 
 
 class ConsumerBus(Protocol):
-    """What a consumer asks of its bus: claim-check bytes, the DLQ, and an ack's fate after a timeout."""
+    """What a consumer asks of its bus: its client (an ack ends when it disconnects), claim-check bytes, the
+    DLQ, and an ack's fate after a timeout."""
+
+    nc: Client
 
     async def _get_claim(self, name: str) -> bytes: ...
 
