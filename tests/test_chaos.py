@@ -188,10 +188,11 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_lin
         assert gap <= budget, (
             f"{what} at step {step}: {gap:.1f} s without a new step (budget {budget:.1f})\n{report}"
         )
-    # Target 1.5x (issue 14), read from the report above in the CI log: 1.37x, 1.36x, 1.32x and 1.51x in
-    # the last four fresh-clone CI runs on the 2-core kind (2026-12-03/04). The faults' cost is nearly fixed
-    # (a learner restart, a NATS restart, six process starts), so the ratio grows as the undisturbed run
-    # gets faster (80 s -> 44-57 s). The assertion is a regression guard with room for a slow machine.
+    # Target 1.5x (issue 14), read from the report above in the CI log. The faults' cost is mostly process
+    # restarts and requests lost with a NATS connection: 1.32x-1.51x in five fresh-clone CI runs on the
+    # 2-core kind (2026-12-03/04), then 1.25x (2026-12-04) once services fork from a preloaded process
+    # (rlbus.preforked) and requests end with their connection (rlbus.bus.disconnects). The assertion is a
+    # regression guard with room for a slow machine; ratios are claimed from the report, not asserted tight.
     assert chaos.wall_s <= 2.0 * calm.wall_s, report
     assert abs(chaos_acc - calm_acc) <= 0.15, report
 
