@@ -137,7 +137,7 @@ class Learner:
         self.ctx.policy_version = self.version
         if self.resumed_from is not None or attempt.replicas_may_differ:
             await self.push_current()
-        self.ctx.status = "ready"
+        self.ctx.mark_ready()
 
     # ------------------------------------------------------------------ checkpoints and resume
 

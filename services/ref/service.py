@@ -58,7 +58,7 @@ async def ref_loop(ctx: ServiceContext) -> int:
         ack_wait_s=ctx.cfg.bus.ack_wait_s,
         max_deliver=ctx.cfg.bus.max_deliver,
     )
-    ctx.status = "ready"
+    ctx.mark_ready()
     ctx.stats.update(groups=0)
     while not ctx.stop.is_set():
         deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)

@@ -102,7 +102,7 @@ async def reward_loop(ctx: ServiceContext) -> int:
         max_deliver=cfg.bus.max_deliver,
     )
     keepalive_s = keepalive_every(cfg.bus.ack_wait_s)
-    ctx.status = "ready"
+    ctx.mark_ready()
     ctx.stats.update(groups=0, samples=0, errors=0)
     while not ctx.stop.is_set():
         deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)

@@ -291,7 +291,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
         ack_wait_s=held_work_ack_wait(cfg.bus.ack_wait_s),
         max_deliver=cfg.bus.max_deliver,
     )
-    ctx.status = "ready"
+    ctx.mark_ready()
     ctx.log.info("rollout ready", engine=engine.name)
     try:
         while not ctx.stop.is_set():
