@@ -94,29 +94,44 @@ class MetricsWriter:
 
 class MetricsTail:
     """The rows appended to a run's metrics.jsonl since the last call, reading only the new bytes (the
-    launcher asks every second; re-reading the whole file would cost O(steps) each time). When the file
-    shrinks (a resumed learner rewrote it up to its checkpoint), it goes on from the rewritten end."""
+    launcher asks every second; re-reading the whole file would cost O(steps) each time).
+
+    A resumed learner rewrites the file up to its checkpoint (`rewind_metrics`: a new file in its place)
+    and appends again, possibly past where we had read before we look: a rewritten file (another inode,
+    or a shorter one) is read again from its start, and rows already returned are skipped.
+    """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.offset = 0
         self._partial = b""  # a row still being written
+        self._file: tuple[int, int] | None = None  # (device, inode) being read
+        self._seen: set[int] = set()  # hashes of the rows returned
 
     def new_rows(self) -> list[dict[str, Any]]:
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
         except FileNotFoundError:
             return []
-        if size < self.offset:
-            self.offset, self._partial = size, b""
-            return []
+        if (st.st_dev, st.st_ino) != self._file or st.st_size < self.offset:
+            self._file, self.offset, self._partial = (st.st_dev, st.st_ino), 0, b""
         with open(self.path, "rb") as fh:
             fh.seek(self.offset)
-            data = fh.read(size - self.offset)
+            data = fh.read(max(0, st.st_size - self.offset))
         self.offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
+        rows = []
+        for line in lines:
+            key = hash(line)
+            if not line.strip() or key in self._seen:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # cut short by a killed writer (rewind_metrics drops it from the file)
+                continue
+            self._seen.add(key)
+        return rows
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

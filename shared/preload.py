@@ -1,12 +1,13 @@
 """What the preforked service server (rlbus.preforked) imports once for every service it forks: torch,
 transformers' model classes and the services' own modules. Imports only: no CUDA, no threads of our own,
-no sockets, so a fork of this state is as clean as a fresh interpreter."""
+no sockets, so a fork of this state is as clean as a fresh interpreter. Not `rlbus.cli`: a child re-runs
+the launcher's main module (`python -m rlbus.cli`) as `__mp_main__`, and runpy warns on stderr when that
+module is already imported (importing it in the child takes ~1 ms)."""
 
 import torch  # noqa: F401
 import transformers.generation.utils  # noqa: F401
 import transformers.models.auto.modeling_auto  # noqa: F401
 
-import rlbus.cli  # noqa: F401
 import rlbus.learner.service  # noqa: F401
 import rlbus.modeling  # noqa: F401
 import rlbus.ref.service  # noqa: F401

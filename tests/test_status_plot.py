@@ -321,3 +321,11 @@ def test_metrics_tail_reads_appended_rows_once_and_follows_a_rewind(tmp_path: Pa
     with open(path, "a") as fh:
         fh.write(json.dumps({"step": 3, "again": True}) + "\n")
     assert tail.new_rows() == [{"step": 3, "again": True}]
+    # rewind_metrics puts a new file in place; the resumed learner may append past our old offset before
+    # we look again: its rows come once, the rows kept from before are not repeated, nothing half-read
+    tmp = path.with_suffix(".tmp")
+    rows = [{"step": 1}, {"step": 2}, {"step": 3, "resumed": "a long row that runs past the old offset"}]
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    assert path.stat().st_size > tail.offset
+    assert tail.new_rows() == [rows[2]]
