@@ -75,8 +75,8 @@ def _service_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [sys.executable, "-m", "rlbus.cli", *argv]
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the server's choices are not the service's
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server's choices are not the service's
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _apply_thread_count(env)
     module, function = ENTRY_POINT.split(":")
     code = 1

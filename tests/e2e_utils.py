@@ -51,7 +51,7 @@ def rlbus_up(
     )
 
 
-def service_children(run_dir: Path) -> dict[str, int]:
+def running_services(run_dir: Path) -> dict[str, int]:
     """The live services `rlbus up` runs in `run_dir`, from the pid file it writes beside each log:
     name -> pid, a rollout replica by its replica id (rollout-0, rollout-1, ...)."""
     out = {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from e2e_utils import FAST, service_children, up_command, wait_until
+from e2e_utils import FAST, running_services, up_command, wait_until
 
 from rlbus.bus import Bus, LocalNatsServer, Stage
 from rlbus.config import RlbusConfig
@@ -129,13 +129,13 @@ def _inject(what: str, run_dir: Path, server: LocalNatsServer, cfg: RlbusConfig,
     if what == "junk":
         asyncio.run(_publish_junk(cfg, 200))
         return "200 junk messages on prompts and trajectories"
-    children = service_children(run_dir)
+    running = running_services(run_dir)
     if what == "rollout":
-        what = rng.choice(sorted(n for n in children if n.startswith("rollout")))
-    pid = children.get(what)
+        what = rng.choice(sorted(n for n in running if n.startswith("rollout")))
+    pid = running.get(what)
     if pid is None:  # restarting right now: wait for its successor, then kill that
-        wait_until(lambda: what in service_children(run_dir), 30, f"{what} to be back")
-        pid = service_children(run_dir)[what]
+        wait_until(lambda: what in running_services(run_dir), 30, f"{what} to be back")
+        pid = running_services(run_dir)[what]
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL {what}"
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from e2e_utils import FAST, service_children, up_command, wait_until
+from e2e_utils import FAST, running_services, up_command, wait_until
 
 from rlbus.metrics_log import read_metrics
 
@@ -46,12 +46,12 @@ def test_killed_services_are_restarted_and_the_run_finishes(
             return int(rows[-1]["step"]) if rows else 0
 
         wait_until(lambda: step() >= 5, 180, "step 5")
-        os.kill(service_children(run_dir)["rollout-0"], signal.SIGKILL)
+        os.kill(running_services(run_dir)["rollout-0"], signal.SIGKILL)
         wait_until(lambda: step() >= 15, 180, "step 15 after the replica kill")  # past the step-10 checkpoint
-        learner = service_children(run_dir)["learner"]
+        learner = running_services(run_dir)["learner"]
         os.kill(learner, signal.SIGKILL)
         wait_until(
-            lambda: service_children(run_dir).get("learner") not in (None, learner), 60, "a new learner"
+            lambda: running_services(run_dir).get("learner") not in (None, learner), 60, "a new learner"
         )
         out, err = up.communicate(timeout=300)
     finally:

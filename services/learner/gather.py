@@ -171,18 +171,16 @@ class Gatherer:
         while len(batch) < need or self.val_pending:
             if learner.ctx.stop.is_set():
                 raise asyncio.CancelledError
-            if (
-                need and learner.pusher.pushed_version >= learner.version
-            ):  # never work for weights no replica has
+            delivered = learner.pusher.pushed_version >= learner.version
+            if need and delivered:  # never work for weights no replica has
                 await learner.dispatcher.top_up(learner.version, step, len(batch))
             held, self.overflow = self.overflow, []
             for d in held:
                 await self.consider(d, batch, need)
             # a failed push is retried between fetches: look again soon, the replicas are idle meanwhile
-            retry_due = learner.pusher.pushed_version < learner.version
             deliveries = await self.consumer.fetch(
                 batch=max(1, need - len(batch) + len(self.val_pending)),
-                timeout=PUSH_RETRY_POLL_S if retry_due else 1.0,
+                timeout=1.0 if delivered else PUSH_RETRY_POLL_S,
             )
             now = time.monotonic()
             for d in deliveries:

@@ -29,7 +29,7 @@ class Disconnects:
     def __init__(self) -> None:
         self._current = asyncio.Event()
         self.connected = asyncio.Event()
-        self.connected.set()  # made by rlbus.bus.connect once the first connection is up
+        self.connected.set()  # first asked for a client rlbus.bus.connect returned connected
 
     def fire(self) -> None:
         """Called from the client's disconnected callback."""
