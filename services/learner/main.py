@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import sys
+from typing import NoReturn
 
 from rlbus.config import RlbusConfig
 
@@ -28,12 +30,7 @@ def run_learner(cfg: RlbusConfig) -> int:
             rc = worker.worker_main(cfg)
         finally:
             dist_context.shutdown()
-        # A worker has nothing left to write; interpreter teardown could only race torch's C++ threads
-        # (a multi-node worker aborted there once in four runs: "terminate called without an active
-        # exception", which torchrun reports as a failed job). Leave without it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        _leave_without_teardown(rc)
     try:
         try:
             return asyncio.run(run_service(cfg, "learner", "learner", learner_loop))
@@ -41,6 +38,17 @@ def run_learner(cfg: RlbusConfig) -> int:
             ctx.stop_workers()
     finally:
         dist_context.shutdown()
+
+
+def _leave_without_teardown(rc: int) -> NoReturn:
+    """End a finished rank at once. Interpreter teardown could only race torch's C++ threads (gloo's
+    threads of a freed group): "terminate called without an active exception" aborted a worker once in
+    four multi-node runs and the CI's two-rank leader once, and torchrun reports that as a failed job.
+    Everything worth keeping is written by now; atexit hooks still run, as at a normal exit."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    return run_learner(cfg)
+    rc = run_learner(cfg)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: see _leave_without_teardown
+        _leave_without_teardown(rc)
+    return rc
 
 
 if __name__ == "__main__":
