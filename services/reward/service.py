@@ -116,16 +116,18 @@ async def reward_loop(ctx: ServiceContext) -> int:
 
 async def _score_and_publish(ctx: ServiceContext, scorer, deliveries: list, out_stage) -> None:
     """A batched scorer (reward model, batch manager) takes the whole fetch in one call; any other
-    scores, publishes and acks one group at a time, so a slow function never holds the others' acks."""
+    scores one group at a time, so a slow function never holds the others' acks. A scored group is
+    published and acked while the next is scored: those round trips overlap and share the socket's writes."""
     batched = getattr(scorer, "batched", False) and deliveries
-    for chunk in [deliveries] if batched else [[d] for d in deliveries]:
-        t0 = time.perf_counter()
-        scored_groups = await asyncio.to_thread(
-            score_groups, scorer, [d.message for d in chunk], ctx.cfg.reward.on_error_score
-        )
-        seconds = (time.perf_counter() - t0) / len(chunk)
-        for d, scored in zip(chunk, scored_groups, strict=True):
-            await _publish_scored(ctx, d, scored, seconds, out_stage)
+    async with asyncio.TaskGroup() as handing_on:
+        for chunk in [deliveries] if batched else [[d] for d in deliveries]:
+            t0 = time.perf_counter()
+            scored_groups = await asyncio.to_thread(
+                score_groups, scorer, [d.message for d in chunk], ctx.cfg.reward.on_error_score
+            )
+            seconds = (time.perf_counter() - t0) / len(chunk)
+            for d, scored in zip(chunk, scored_groups, strict=True):
+                handing_on.create_task(_publish_scored(ctx, d, scored, seconds, out_stage))
 
 
 def run_reward(cfg: RlbusConfig, instance_id: str | None = None) -> int:

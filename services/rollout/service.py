@@ -263,6 +263,18 @@ async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
     return kept
 
 
+async def hand_on(ctx: ServiceContext, delivery, outcome: TrajectoryGroup | Exception) -> None:
+    """Publish one prompt's trajectories, then ack its work; an item that alone broke the engine is parked."""
+    from rlbus.bus import Stage
+
+    if isinstance(outcome, Exception):
+        await park(ctx, delivery, f"generation failed: {type(outcome).__name__}: {outcome}")
+        return
+    await ctx.bus.publish(Stage.TRAJECTORIES, outcome, msg_id=f"{outcome.work.prompt_id}:traj")
+    await delivery.ack()
+    ctx.stats["groups"] += 1
+
+
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
@@ -321,13 +333,10 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 continue
             async with kept_alive(deliveries, replica.keepalive_s):
                 outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
-            for d, outcome in zip(deliveries, outcomes, strict=True):
-                if isinstance(outcome, Exception):  # this item alone broke the engine: park it, go on
-                    await park(ctx, d, f"generation failed: {type(outcome).__name__}: {outcome}")
-                    continue
-                await ctx.bus.publish(Stage.TRAJECTORIES, outcome, msg_id=f"{outcome.work.prompt_id}:traj")
-                await d.ack()
-                ctx.stats["groups"] += 1
+            # every group at once: their publishes and acks share the connection's writes and round trips
+            async with asyncio.TaskGroup() as handing_on:
+                for d, outcome in zip(deliveries, outcomes, strict=True):
+                    handing_on.create_task(hand_on(ctx, d, outcome))
             ctx.stats["tokens"] += tokens
     finally:
         weights.cancel()

@@ -157,7 +157,9 @@ async def connect(cfg: BusConfig, url: str, name: str, wait_s: float = 30.0) -> 
 
     async def on_closed() -> None:
         if state["connected"]:
-            log.info("bus.closed", name=name, url=safe_url)
+            # the connection's traffic, for telling a chatty protocol from a slow one
+            stats = {k: nc.stats.get(k, 0) for k in ("in_msgs", "out_msgs", "in_bytes", "out_bytes")}
+            log.info("bus.closed", name=name, url=safe_url, **stats)
 
     nc = Client()
     servers = [u.strip() for u in url.split(",") if u.strip()]
