@@ -5,6 +5,7 @@ No pickle anywhere: a peer can only ever make us build plain data and arrays.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -66,7 +67,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     np_dtype = np.dtype(dtype)
     if np_dtype.hasobject:
         raise CodecError("object arrays are not allowed on the bus")
-    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expected = math.prod(shape) * np_dtype.itemsize  # exact ints; np.prod cost ~5 us per array
     if expected != len(payload):
         raise CodecError(f"array of {dtype}{shape} needs {expected} bytes, got {len(payload)}")
     return np.frombuffer(payload, dtype=np_dtype).reshape(shape).copy()

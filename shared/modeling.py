@@ -14,6 +14,7 @@ of NaN rows, and a response occupies one contiguous span starting at the prompt'
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
@@ -106,7 +107,7 @@ def load_causal_lm(
 
 
 def pad_batch(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """prompt+response per row, RIGHT padded to the longest row (see the module docstring for why).
 
@@ -121,18 +122,25 @@ def pad_batch(
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     width = max(max(lengths), 2)  # at least one predicted position
     batch = len(prompts)
-    input_ids = torch.full((batch, width), int(pad_id), dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width - 1), dtype=torch.long)
+    # numpy rows, one torch conversion at the end: a torch.tensor per row cost the learner ~3 ms a step
+    input_ids = np.full((batch, width), int(pad_id), dtype=np.int64)
+    attention_mask = np.zeros((batch, width), dtype=np.int64)
+    response_mask = np.zeros((batch, width - 1), dtype=np.int64)
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        if not p:
+        if not len(p):
             raise ValueError(f"row {b}: empty prompt (the first response token needs a context)")
         n = len(p) + len(r)
-        input_ids[b, :n] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        input_ids[b, : len(p)] = p
+        input_ids[b, len(p) : n] = r
         attention_mask[b, :n] = 1
         response_mask[b, len(p) - 1 : n - 1] = 1
-    position_ids = positions_from_mask(attention_mask)
-    return input_ids, attention_mask, position_ids, response_mask
+    attention = torch.from_numpy(attention_mask)
+    return (
+        torch.from_numpy(input_ids),
+        attention,
+        positions_from_mask(attention),
+        torch.from_numpy(response_mask),
+    )
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

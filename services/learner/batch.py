@@ -61,8 +61,8 @@ def row_index(idx: torch.Tensor | Sequence[int]) -> torch.Tensor | slice:
 
 
 def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
-    prompts: list[list[int]] = []
-    responses: list[list[int]] = []
+    prompts: list[Sequence[int]] = []
+    responses: list[Sequence[int]] = []
     behaviour: list[np.ndarray] = []
     refs: list[np.ndarray] = []
     rewards: list[float] = []
@@ -74,8 +74,8 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
         traj = group.scored.trajectories
         temperature = traj.work.sampling.temperature or 1.0
         for i, sample in enumerate(traj.samples):
-            prompts.append(list(traj.work.prompt_ids))
-            responses.append(list(sample.response_ids))
+            prompts.append(traj.work.prompt_ids)
+            responses.append(sample.response_ids)
             behaviour.append(np.asarray(sample.logprobs, dtype=np.float32))
             if group.ref_logprobs is not None:
                 refs.append(np.asarray(group.ref_logprobs[i], dtype=np.float32))
@@ -88,20 +88,20 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
     input_ids, attention, position_ids, resp_mask_long = pad_batch(prompts, responses, pad_id)
     resp_mask = resp_mask_long.float()
     bsz, width = resp_mask.shape
-    beh = torch.zeros((bsz, width), dtype=torch.float32)
-    ref = torch.zeros((bsz, width), dtype=torch.float32) if refs else None
+    beh = np.zeros((bsz, width), dtype=np.float32)
+    ref = np.zeros((bsz, width), dtype=np.float32) if refs else None
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         start, end = len(p) - 1, len(p) - 1 + len(r)  # logits at t predict token t+1
-        beh[b, start:end] = torch.from_numpy(behaviour[b][: len(r)])
+        beh[b, start:end] = behaviour[b][: len(r)]
         if ref is not None:
-            ref[b, start:end] = torch.from_numpy(refs[b][: len(r)])
+            ref[b, start:end] = refs[b][: len(r)]
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=position_ids,
         response_mask=resp_mask,
-        behaviour_logprobs=beh,
-        ref_logprobs=ref,
+        behaviour_logprobs=torch.from_numpy(beh),
+        ref_logprobs=torch.from_numpy(ref) if ref is not None else None,
         rewards=torch.tensor(rewards, dtype=torch.float32),
         correct=torch.tensor(correct, dtype=torch.bool),
         group_ids=torch.tensor(group_ids, dtype=torch.long),

@@ -119,6 +119,7 @@ class Gatherer:
         self.val_results: list[tuple[float, bool, int]] = []
         self.weights_behind = False  # a group came from weights this learner never made: push ours
         self._refused_said: set[str] = set()
+        self._dispatching: asyncio.Task | None = None  # the top-up in flight (see _dispatch)
 
     def validation_metrics(self) -> dict[str, float]:
         return {} if self.val_pending else validation_metrics(self.val_results)
@@ -173,7 +174,7 @@ class Gatherer:
                 raise asyncio.CancelledError
             delivered = learner.pusher.pushed_version >= learner.version
             if need and delivered:  # never work for weights no replica has
-                await learner.dispatcher.top_up(learner.version, step, len(batch))
+                await self._dispatch(learner.version, step, len(batch))
             held, self.overflow = self.overflow, []
             for d in held:
                 await self.consider(d, batch, need)
@@ -200,7 +201,23 @@ class Gatherer:
                 last_log = now
             if now - last_progress > learner.cfg.trainer.batch_timeout_s:
                 raise LearnerStalled(self._stall_reason(step, len(batch), need))
+        await self._dispatched()
         return batch
+
+    async def _dispatch(self, version: int, step: int, have: int) -> None:
+        """Top up the work in flight beside the fetch, not before it: the publishes' round trips overlap
+        the wait for ready groups. One top-up at a time (the ledger counts a prompt once it is stored)."""
+        if self._dispatching is not None:
+            if not self._dispatching.done():
+                return
+            await self._dispatched()
+        self._dispatching = asyncio.create_task(self.learner.dispatcher.top_up(version, step, have))
+
+    async def _dispatched(self) -> None:
+        """Wait for the top-up in flight; its failure is raised here, as if it had been awaited in place."""
+        task, self._dispatching = self._dispatching, None
+        if task is not None:
+            await task
 
     def _stall_reason(self, step: int, have: int, need: int) -> str:
         learner = self.learner

@@ -18,6 +18,11 @@ from rlbus.learner.rollout_data import write_rollout_data
 from rlbus.messages import ReadyGroup
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
 
+# ledger.json is the run's account for people and tests, written whole: every step made a long run's cost
+# grow with its length. Resume reads the ledger from the checkpoint, never from this file; the run's end
+# (or a stop) writes it once more.
+LEDGER_SAVE_EVERY_S = 5.0
+
 
 def total_steps(cfg: RlbusConfig, dataset_size: int) -> int:
     per_epoch = max(1, dataset_size // cfg.data.train_batch_size)
@@ -67,6 +72,7 @@ class Learner:
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
         self.forced_push_at = 0.0
+        self.push_seconds = 0.0  # the last step's push (timing/weight_push_s)
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, check_scorers, load_split, prepare_prompts
@@ -241,6 +247,7 @@ class Learner:
         pad_id = int(self.tokenizer.pad_token_id)
         ledger_path = self.run_dir / "ledger.json"
         tokens_total, t_run = 0, time.perf_counter()
+        ledger_saved = time.monotonic()
         if cfg.trainer.val_only:
             return await self.validate_only()
         for step in range(self.start_step, self.total_steps):
@@ -266,12 +273,10 @@ class Learner:
             if cfg.trainer.rollout_data_dir:
                 write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
             self.version += 1
-            # the trained groups' acks, concurrently: each is a round trip to the server
-            await asyncio.gather(*(self.settle(d, None, step) for d in deliveries))
-            t_settled = time.perf_counter()
-            await self.pusher.push(self.named_weights, self.version)
-            await self.ctx.state.set_policy_version(self.version)
-            self.ctx.policy_version = self.version
+            # the trained groups' acks (each a round trip to the server) go beside the new version's push
+            settle_s, _ = await asyncio.gather(
+                self._settle_trained(deliveries, step), self._push_new_version()
+            )
             t_pushed = time.perf_counter()
             tokens = int(batch.response_mask.sum())
             tokens_total += tokens
@@ -280,18 +285,33 @@ class Learner:
                 {
                     "timing/wait_batch_s": t_gathered - t_step,
                     "timing/train_s": t_trained - t_gathered,
-                    "timing/settle_s": t_settled - t_trained,
-                    "timing/weight_push_s": t_pushed - t_settled,  # the new version handed over and announced
+                    "timing/settle_s": settle_s,  # beside the push, not before it
+                    "timing/weight_push_s": self.push_seconds,  # the new version handed over and announced
                     "timing/step_s": t_pushed - t_step,
                     "perf/samples_per_s": batch.size / max(t_pushed - t_step, 1e-9),
                 }
             )
             self.writer.log(step + 1, metrics)
-            self.ledger.save(ledger_path)
+            if time.monotonic() - ledger_saved >= LEDGER_SAVE_EVERY_S:
+                self.ledger.save(ledger_path)
+                ledger_saved = time.monotonic()
             if self._should_save(step + 1):
                 await self.checkpoint(step + 1)
         await self._finish(ledger_path)
         return 0
+
+    async def _settle_trained(self, deliveries: list, step: int) -> float:
+        """Ack the groups just trained on, concurrently; returns the seconds it took."""
+        t0 = time.perf_counter()
+        await asyncio.gather(*(self.settle(d, None, step) for d in deliveries))
+        return time.perf_counter() - t0
+
+    async def _push_new_version(self) -> None:
+        t0 = time.perf_counter()
+        await self.pusher.push(self.named_weights, self.version)
+        await self.ctx.state.set_policy_version(self.version)
+        self.ctx.policy_version = self.version
+        self.push_seconds = time.perf_counter() - t0
 
     async def _finish(self, ledger_path: Path) -> None:
         """After the last step: the final model, the last validation, what is still in flight."""

@@ -44,6 +44,7 @@ class PerItemScorer:
 
     name = "per-item"
     batched = False
+    fast = False  # each call is cheap and bounded: a whole fetch may be scored in one thread hand-off
 
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
         raise NotImplementedError
@@ -57,6 +58,7 @@ class TaskScorer(PerItemScorer):
 
     name = "task"
     batched = False
+    fast = True  # the built-in rule verifiers: string checks, no I/O
 
     def __init__(self) -> None:
         self._tasks: dict[tuple[str, int], Any] = {}
