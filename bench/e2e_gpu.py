@@ -9,6 +9,7 @@ seconds per step (measured steps only), response tokens/s, mean GPU utilisation 
 
     python bench/e2e_gpu.py                      # on the GPU: rlbus async 0/1/2, TRL default and TRL+static
     python bench/e2e_gpu.py --device cpu         # the embedded demo's tiny model and work, on the CPU
+    python bench/e2e_gpu.py --device cpu --rounds 5   # every system 5 times in turn: medians, paired ratios
 
 TRL is a bench-only extra (`pip install trl`): its GRPOTrainer runs with plain transformers generation, once
 with its defaults and once with the generation speed-up rlbus's embedded engine uses (static KV cache with
@@ -108,8 +109,10 @@ def summarize(
 # ----------------------------------------------------------------------------------------------- rlbus
 
 
-def run_rlbus(args: argparse.Namespace, model_dir: Path | None, async_level: int, work: Path) -> dict:
-    run_id = f"bench-a{async_level}"
+def run_rlbus(
+    args: argparse.Namespace, model_dir: Path | None, async_level: int, work: Path, round_index: int = 0
+) -> dict:
+    run_id = f"bench-a{async_level}" + (f"-r{round_index}" if round_index else "")
     total = args.warmup + args.steps
     overrides = [
         f"run.id={run_id}",
@@ -231,8 +234,10 @@ def trl_child(spec: dict) -> None:
     Path(spec["times"]).write_text(json.dumps(times))
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, static: bool, work: Path) -> dict:
-    out = work / ("trl-static" if static else "trl")
+def run_trl(
+    args: argparse.Namespace, model_dir: Path, static: bool, work: Path, round_index: int = 0
+) -> dict:
+    out = work / (("trl-static" if static else "trl") + (f"-r{round_index}" if round_index else ""))
     spec = {
         "out": str(out),
         "times": str(out / "times.json"),
@@ -266,6 +271,34 @@ def run_trl(args: argparse.Namespace, model_dir: Path, static: bool, work: Path)
 
 
 # ----------------------------------------------------------------------------------------------- main
+
+
+def run_round(  # noqa: PLR0913
+    args: argparse.Namespace, model_dir: Path | None, trl_model: Path, work: Path, gpu: bool, round_index: int
+) -> dict:
+    """Each system once: rlbus at each async level, then TRL (with its defaults; on CUDA also static cache)."""
+    results: dict[str, dict] = {}
+    for level in (int(x) for x in args.async_levels.split(",") if x):
+        results[f"rlbus async_level={level}"] = run_rlbus(args, model_dir, level, work, round_index)
+        print(table(results, None), flush=True)
+    if not args.no_trl:
+        for name, static in (("TRL defaults", False), ("TRL + static cache", True)):
+            if static and not gpu:
+                continue
+            try:
+                results[name] = run_trl(args, trl_model, static, work, round_index)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the table of what did run still prints
+                print(f"{name} failed: {str(exc)[-2000:]}", flush=True)
+    return results
+
+
+def median_results(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per system, the round whose s/step is the median (the lower middle one for an even count)."""
+    out: dict[str, dict] = {}
+    for name in rounds[0]:
+        runs = sorted((rd[name] for rd in rounds if name in rd), key=lambda r: r["s_per_step"])
+        out[name] = runs[(len(runs) - 1) // 2]
+    return out
 
 
 def table(results: dict[str, dict], base: str | None) -> str:
@@ -302,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every system this many times, in turn (medians)"
+    )
     p.add_argument("--timeout", type=float, default=900, help="per system (first compile included)")
     p.add_argument("--rlbus-override", action="append", default=[], help="extra dotted override for rlbus")
     p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
@@ -328,20 +364,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.micro_batch}, {args.warmup} warm-up + {args.steps} measured steps, {time.strftime('%Y-%m-%d')}",
         flush=True,
     )
-    results: dict[str, dict] = {}
-    for level in (int(x) for x in args.async_levels.split(",") if x):
-        results[f"rlbus async_level={level}"] = run_rlbus(args, model_dir, level, work)
-        print(table(results, None), flush=True)
-    base = None
-    if not args.no_trl:
-        for name, static in (("TRL defaults", False), ("TRL + static cache", True)):
-            if static and not gpu:
-                continue
-            try:
-                results[name] = run_trl(args, trl_model, static, work)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the table of what did run still prints
-                print(f"{name} failed: {str(exc)[-2000:]}", flush=True)
-        base = "TRL defaults" if "TRL defaults" in results else None
+    rounds: list[dict[str, dict]] = []
+    for r in range(args.rounds):  # every system once per round, in turn: a slow spell of the box hits both
+        if args.rounds > 1:
+            print(f"round {r + 1}/{args.rounds}", flush=True)
+        rounds.append(run_round(args, model_dir, trl_model, work, gpu, r))
+    results = median_results(rounds)
+    base = "TRL defaults" if "TRL defaults" in results else None
+    if args.rounds > 1 and base:
+        for name in (n for n in results if n.startswith("rlbus")):
+            paired = [
+                rd[name]["s_per_step"] / rd[base]["s_per_step"] for rd in rounds if name in rd and base in rd
+            ]
+            print(
+                f"{name} s/step / {base} s/step, round by round: {' '.join(f'{x:.2f}' for x in paired)} "
+                f"(median {statistics.median(paired):.2f})",
+                flush=True,
+            )
     print()
     print(table(results, base))
     if "TRL + static cache" in results:
