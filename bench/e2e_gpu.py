@@ -373,14 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     base = "TRL defaults" if "TRL defaults" in results else None
     if args.rounds > 1 and base:
         for name in (n for n in results if n.startswith("rlbus")):
-            paired = [
-                rd[name]["s_per_step"] / rd[base]["s_per_step"] for rd in rounds if name in rd and base in rd
+            pairs = [
+                (rd[name]["s_per_step"], rd[base]["s_per_step"]) for rd in rounds if name in rd and base in rd
             ]
-            print(
-                f"{name} s/step / {base} s/step, round by round: {' '.join(f'{x:.2f}' for x in paired)} "
-                f"(median {statistics.median(paired):.2f})",
-                flush=True,
-            )
+            print(f"{name} s/step / {base} s/step, round by round:", flush=True)
+            for i, (ours, theirs) in enumerate(pairs, 1):
+                print(f"  round {i}: {ours:.3f} / {theirs:.3f} = {ours / theirs:.2f}", flush=True)
+            print(f"  median ratio {statistics.median(a / b for a, b in pairs):.2f}", flush=True)
     print()
     print(table(results, base))
     if "TRL + static cache" in results:
