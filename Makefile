@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e tiny-model clean
+.PHONY: install test test-slow test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -82,6 +82,10 @@ bench-learner:
 # rlbus vs TRL's GRPOTrainer at equal work (needs `pip install -e ".[bench]"`); BENCH_E2E_ARGS="--device cpu" on a CPU box.
 bench-e2e:
 	$(PY) bench/e2e_gpu.py $(BENCH_E2E_ARGS)
+
+# weight-push bandwidth over NCCL against a plain broadcast (two GPUs of one host)
+bench-nccl:
+	$(PY) bench/nccl_push.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build *.egg-info

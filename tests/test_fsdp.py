@@ -90,18 +90,20 @@ def make_batch(seed: int = 0, groups: int = 4, per_group: int = 3, vocab: int = 
     )
 
 
-def scenario_config(model_dir: str, name: str) -> RlbusConfig:
-    return load_config(None, [f"model.path={model_dir}", *BASE, *SCENARIOS[name]])
+def scenario_config(model_dir: str, name: str, device: str = "cpu") -> RlbusConfig:
+    return load_config(None, [f"model.path={model_dir}", *BASE, f"trainer.device={device}", *SCENARIOS[name]])
 
 
-def run_scenario(cfg: RlbusConfig) -> dict:
-    """Build a trainer, take its full state, one update, the full state again (what rank 0 reports)."""
+def run_scenario(cfg: RlbusConfig, device: str = "cpu") -> dict:
+    """Build a trainer, take its full state, one update, the full state again (what rank 0 reports), on the
+    CPU. `device` cuda: this process's GPU (cuda:LOCAL_RANK under a distributed context)."""
     from rlbus.learner.trainer import PolicyTrainer
 
-    trainer = PolicyTrainer(cfg, Path(cfg.model.path), torch.device("cpu"), total_steps=4)
-    before = {k: v.detach().clone() for k, v in trainer.named_weights()}
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    trainer = PolicyTrainer(cfg, Path(cfg.model.path), where, total_steps=4)
+    before = {k: v.detach().cpu().clone() for k, v in trainer.named_weights()}
     metrics = trainer.train_step(make_batch())
-    after = {k: v.detach().clone() for k, v in trainer.named_weights()}
+    after = {k: v.detach().cpu().clone() for k, v in trainer.named_weights()}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     optimized = sum(len(group["params"]) for group in trainer.optimizer.param_groups)
     return {
@@ -125,7 +127,9 @@ def _loads(data: bytes) -> object:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str], out) -> None:
+def _rank_main(  # noqa: PLR0913 - a spawned process's whole brief
+    rank: int, world: int, port: int, model_dir: str, names: list[str], out, device: str = "cpu"
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -135,12 +139,12 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, names: list[str
     )
     torch.set_num_threads(1)
     try:
-        ctx = dist_context.init_distributed("cpu", timeout_s=120)
+        ctx = dist_context.init_distributed(device, timeout_s=120)
         assert ctx.distributed and ctx.world_size == world
         for name in names:
-            cfg = scenario_config(model_dir, name)
+            cfg = scenario_config(model_dir, name, device)
             if rank == 0:
-                result = run_scenario(cfg)
+                result = run_scenario(cfg, device)
                 ctx.stop_workers()
                 out.put((name, _dumps(result)))
             else:
@@ -187,8 +191,11 @@ def two_rank_results(tiny: Path) -> dict:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_ranks_match_one_process(tiny: Path, two_rank_results: dict, name: str) -> None:
-    one = run_scenario(scenario_config(str(tiny), name))
-    two = two_rank_results[name]
+    assert_same_update(run_scenario(scenario_config(str(tiny), name)), two_rank_results[name])
+
+
+def assert_same_update(one: dict, two: dict) -> None:
+    """Two ranks' run of a scenario against one process's: same start, statistics and update."""
     # full_state_items of the sharded model == the unsharded model's (merged) state dict, exactly
     assert list(two["before"]) == list(one["before"])
     for k, v in one["before"].items():

@@ -74,10 +74,11 @@ def bit_exact(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -
 # --------------------------------------------------------------------------------------- child process
 
 
-def receiver_main(name: str, inbox: Any, results: Any) -> None:
-    """A replica: waits for announcements on `inbox` (stands in for NATS), joins, receives, reports."""
+def receiver_main(name: str, inbox: Any, results: Any, device: str | None = None) -> None:
+    """A replica: waits for announcements on `inbox` (stands in for NATS), joins, receives, reports.
+    `device` (e.g. cuda:1) is where it keeps what it receives; the announcement names the backend."""
     torch.set_num_threads(1)
-    receiver = WeightReceiver()
+    receiver = WeightReceiver(device)
     try:
         while True:
             try:
@@ -96,6 +97,7 @@ def receiver_main(name: str, inbox: Any, results: Any) -> None:
                     epoch=ann["epoch"],
                     timeout_s=ann["timeout_s"],
                     rendezvous_timeout_s=RDV_S,
+                    backend=ann.get("backend", "gloo"),
                 )
                 if ann.get("stall"):  # joined but never takes part in the push
                     results.put((name, ann["version"], "stalled", ""))
@@ -106,7 +108,9 @@ def receiver_main(name: str, inbox: Any, results: Any) -> None:
                     for k, _ in enumerate(receiver.iter_receive(metas, ann["buckets"], ann["checksum"])):
                         if k == ann["die_after_bucket"]:
                             os.kill(os.getpid(), signal.SIGKILL)
-                got = receiver.receive(metas, ann["buckets"], ann["checksum"])
+                got = {
+                    k: v.cpu() for k, v in receiver.receive(metas, ann["buckets"], ann["checksum"]).items()
+                }
                 diff = bit_exact(make_state(ann["version"]), got)
                 results.put((name, ann["version"], "ok" if not diff else "wrong", diff))
             except WeightSyncError as exc:
@@ -118,12 +122,12 @@ def receiver_main(name: str, inbox: Any, results: Any) -> None:
 class Replicas:
     """Spawned receiver processes with one inbox each and a shared results queue; always cleaned up."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], device: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.inboxes = {n: ctx.Queue() for n in names}
         self.procs = {
-            n: ctx.Process(target=receiver_main, args=(n, self.inboxes[n], self.results), daemon=True)
+            n: ctx.Process(target=receiver_main, args=(n, self.inboxes[n], self.results, device), daemon=True)
             for n in names
         }
         for p in self.procs.values():
