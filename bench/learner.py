@@ -31,6 +31,7 @@ Runs from a plain checkout without installing the package (``rlbus`` -> ``shared
     python bench/learner.py                               # GPU: the full comparison (~2-3 min on an H200)
     python bench/learner.py --tiny --device cpu --steps 1 # a smoke run of the script on a CPU
     python bench/learner.py --seq-len 1024 --batch 32 --configs plain,rlbus
+    torchrun --nproc-per-node 2 bench/learner.py --configs rlbus   # FSDP2 over 2 GPUs, the same global batch
 """
 
 from __future__ import annotations
@@ -234,13 +235,43 @@ def profile_step(step: Any, out: Path) -> None:
 
 
 def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
-    import torch
+    """Under torchrun, rank 0 runs this while the other ranks follow (``follow_rlbus``)."""
 
-    from rlbus.config import load_config
-    from rlbus.learner import forward
+    from rlbus.learner.dist import context as dist_context
     from rlbus.learner.trainer import PolicyTrainer
 
-    packed = "+pack" in name
+    cfg = rlbus_config(model_dir, args, name)
+    if "+fsdp" in name:
+        os.environ["RLBUS_FSDP"] = "1"  # FSDP2 even on one GPU (a world of one): what N ranks each run
+    try:
+        trainer = PolicyTrainer(cfg, model_dir, this_device(args), total_steps=100)
+        return time_rlbus(trainer, batch, args, "+pack" in name)
+    finally:
+        os.environ.pop("RLBUS_FSDP", None)
+        dist_context.context().stop_workers()  # under torchrun: free the followers for the next config
+
+
+def follow_rlbus(model_dir: Path, args: argparse.Namespace, name: str) -> None:
+    """A rank > 0 of a torchrun: builds the same trainer and follows rank 0's steps until it is done."""
+    from rlbus.learner.dist import worker
+
+    if worker.worker_main(rlbus_config(model_dir, args, name)) != 0:
+        raise RuntimeError(f"{name}: a follower rank failed")
+
+
+def this_device(args: argparse.Namespace) -> Any:
+    """The device of this process: cuda:LOCAL_RANK under torchrun, else --device."""
+    import torch
+
+    if args.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(args.device)
+
+
+def rlbus_config(model_dir: Path, args: argparse.Namespace, name: str) -> Any:
+    """The learner config of one rlbus config name (every rank of a torchrun builds the same)."""
+    from rlbus.config import load_config
+
     overrides = [
         f"model.path={model_dir}",
         f"model.dtype={args.dtype}",
@@ -255,21 +286,22 @@ def run_rlbus(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     for suffix, extra in SUFFIX_OVERRIDES.items():
         if suffix in name:
             overrides += extra
-    cfg = load_config(None, overrides)
-    if "+fsdp" in name:
-        os.environ["RLBUS_FSDP"] = "1"  # FSDP2 even on one GPU (a world of one): what N ranks each run
-    try:
-        trainer = PolicyTrainer(cfg, model_dir, torch.device(args.device), total_steps=100)
-    finally:
-        os.environ.pop("RLBUS_FSDP", None)
+    return load_config(None, overrides)
+
+
+def time_rlbus(trainer: Any, batch: Any, args: argparse.Namespace, packed: bool) -> dict[str, Any]:
+    import torch
     from torch.distributed.fsdp import FSDPModule
+
+    from rlbus.learner import forward
 
     out: dict[str, Any] = {
         "attn": trainer.model.config._attn_implementation,
         "fsdp": isinstance(trainer.model, FSDPModule),
-        "micro_batches": len(trainer._micro_batches(batch)),
     }
-    if packed:  # the packed path must compute what the padded one does
+    if trainer.par.world_size == 1:  # ranks plan their micro-batches together, inside a led step only
+        out["micro_batches"] = len(trainer._micro_batches(batch))
+    if packed and trainer.par.world_size == 1:  # the packed path must compute what the padded one does
         probe = batch.select(list(range(min(4, batch.size))))
         with torch.no_grad():
             a, _ = forward.forward_logprobs(trainer.model, probe, trainer.device, True, False)
@@ -379,16 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    # on a GPU a world of one still gets FSDP2's mixed precision; under torchrun every rank joins, rank 0
+    # measures and the others follow each rlbus config (the plain loops are single-process: skipped)
+    ctx = dist_context.init_distributed(args.device)
+    if ctx.world_size > 1:
+        return main_ranks(args, configs, ctx)
     print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
-    if args.device == "cuda":
-        dist_context.init_distributed(
-            "cuda"
-        )  # a world of one: FSDP2 mixed precision with fp32 master weights
     config = model_config(args)
-    fixed = [args.seq_len] * args.batch
-    g = torch.Generator().manual_seed(1)
-    low = max(args.prompt_len + 2, args.seq_len // 8)
-    var = [int(x) for x in torch.randint(low, args.seq_len + 1, (args.batch,), generator=g)]
+    fixed, var = batch_lengths(args)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         t0 = time.perf_counter()
@@ -444,6 +474,59 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
     dist_context.shutdown()
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def batch_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """Sequence lengths of the equal-length batch and of the mixed one (uniform in [seq_len/8, seq_len])."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    low = max(args.prompt_len + 2, args.seq_len // 8)
+    var = [int(x) for x in torch.randint(low, args.seq_len + 1, (args.batch,), generator=g)]
+    return [args.seq_len] * args.batch, var
+
+
+def main_ranks(args: argparse.Namespace, configs: list[str], ctx: Any) -> int:
+    """``torchrun --nproc-per-node N bench/learner.py``: the rlbus configs with FSDP2 over N ranks on the
+    same global batch; tokens/s counts the whole batch, MFU is per GPU (the peak times N)."""
+    import torch.distributed as dist
+
+    from rlbus.learner import perf
+    from rlbus.learner.dist import context as dist_context
+
+    skipped = [c for c in configs if c.startswith("plain")]
+    configs = [c for c in configs if not c.startswith("plain")]
+    config = model_config(args)
+    fixed, var = batch_lengths(args)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+        where = [str(build_model_dir(config, Path(tmp) / "model")) if ctx.rank == 0 else ""]
+        dist.broadcast_object_list(where, src=0)  # one host: the ranks read rank 0's files
+        model_dir = Path(where[0])
+        if ctx.rank == 0:
+            print(f"{ctx.world_size} ranks on {args.device}; plain loops skipped: {skipped}", flush=True)
+        for name in configs:
+            if ctx.rank:
+                follow_rlbus(model_dir, args, name)
+                continue
+            lengths = var if name.endswith("/var") else fixed
+            batch = make_batch(lengths, config.vocab_size, args.prompt_len, args.group)
+            res = run_rlbus(model_dir, batch, args, name)
+            tokens = sum(lengths)
+            step_s = statistics.median(res["times"])
+            flops_tok = perf.train_flops_per_token(config, sum(n * n for n in lengths) / tokens)
+            peak = args.peak_tflops * 1e12 * ctx.world_size
+            results[name] = {**res, "step_s": step_s, "tokens_per_s": tokens / step_s}
+            print(
+                f"  {name:16s} {ctx.world_size} ranks: step {step_s:7.3f}s  {tokens / step_s:10.0f} tok/s  "
+                f"MFU {perf.mfu(tokens / step_s, flops_tok, peak):6.1%} per GPU",
+                flush=True,
+            )
+        dist.barrier()  # rank 0's files stay until every rank is done with them
+    if args.out and ctx.rank == 0:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
+    dist_context.shutdown()
+    return 0
 
 
 def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) -> None:
