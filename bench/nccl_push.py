@@ -20,19 +20,13 @@ HOST = "127.0.0.1"
 
 
 def model_state(device: str, seed: int = 0) -> dict[str, Any]:
-    """Random bf16 tensors with the names and shapes of Qwen2-0.5B (tied embeddings), built without an init."""
+    """Random bf16 tensors with the names and shapes of Qwen2-0.5B (tied embeddings), built without an init;
+    the shape is bench/learner.py's, so both benches measure the same model."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from learner import model_config  # bench/ is this script's folder, first on sys.path
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
+    config = model_config(argparse.Namespace(tiny=False, layers=24))
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in Qwen2ForCausalLM(config).state_dict().items()}
     g = torch.Generator(device=device).manual_seed(seed)

@@ -161,32 +161,39 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_fsdp"))
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tiny: Path) -> dict:
+def run_two_ranks(tiny: Path, device: str = "cpu", wait_s: float = 120.0, join_s: float = 30.0) -> dict:
+    """Every scenario as two spawned ranks (gloo on CPU; cuda: NCCL on cuda:0 and cuda:1); rank 0's
+    results by scenario name. `wait_s` bounds the wait for each result, `join_s` each rank's exit."""
     from rlbus.weight_sync import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny), list(SCENARIOS), out)) for r in range(2)
+        ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny), list(SCENARIOS), out, device))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
     results: dict = {}
     try:
         while not {"done0", "done1"} <= set(results):
-            key, value = out.get(timeout=120)
+            key, value = out.get(timeout=wait_s)
             if key.startswith("error"):
                 raise AssertionError(f"{key}:\n{value}")
             results[key] = _loads(value) if value is not None else None
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
     return results
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny: Path) -> dict:
+    return run_two_ranks(tiny)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -5,7 +5,6 @@ GPUs, and the FSDP2 learner across both. The same guarantees the CPU tests check
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import signal
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from helpers_tiny import build_tiny_model
 from test_weight_sync import HOST, RDV_S, Replicas, push
 
-from rlbus.weight_sync import WeightSender, WeightSyncError, free_port
+from rlbus.weight_sync import WeightSender, WeightSyncError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,30 +61,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def two_gpu_results(tiny: Path) -> dict:
     """The FSDP2 scenarios of tests/test_fsdp.py, as two ranks on cuda:0 and cuda:1 (NCCL)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    names = list(fsdp_cases.SCENARIOS)
-    procs = [
-        ctx.Process(target=fsdp_cases._rank_main, args=(r, 2, port, str(tiny), names, out, "cuda"))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results: dict = {}
-    try:
-        while not {"done0", "done1"} <= set(results):
-            key, value = out.get(timeout=300)
-            if key.startswith("error"):
-                raise AssertionError(f"{key}:\n{value}")
-            results[key] = fsdp_cases._loads(value) if value is not None else None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return results
+    return fsdp_cases.run_two_ranks(tiny, "cuda", wait_s=300.0, join_s=60.0)
 
 
 @pytest.mark.timeout(600)

@@ -72,7 +72,6 @@ class Learner:
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
         self.forced_push_at = 0.0
-        self.push_seconds = 0.0  # the last step's push (timing/weight_push_s)
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, check_scorers, load_split, prepare_prompts
@@ -274,7 +273,7 @@ class Learner:
                 write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
             self.version += 1
             # the trained groups' acks (each a round trip to the server) go beside the new version's push
-            settle_s, _ = await asyncio.gather(
+            settle_s, push_s = await asyncio.gather(
                 self._settle_trained(deliveries, step), self._push_new_version()
             )
             t_pushed = time.perf_counter()
@@ -286,7 +285,7 @@ class Learner:
                     "timing/wait_batch_s": t_gathered - t_step,
                     "timing/train_s": t_trained - t_gathered,
                     "timing/settle_s": settle_s,  # beside the push, not before it
-                    "timing/weight_push_s": self.push_seconds,  # the new version handed over and announced
+                    "timing/weight_push_s": push_s,  # the new version handed over and announced
                     "timing/step_s": t_pushed - t_step,
                     "perf/samples_per_s": batch.size / max(t_pushed - t_step, 1e-9),
                 }
@@ -306,12 +305,13 @@ class Learner:
         await asyncio.gather(*(self.settle(d, None, step) for d in deliveries))
         return time.perf_counter() - t0
 
-    async def _push_new_version(self) -> None:
+    async def _push_new_version(self) -> float:
+        """Hand the new version to the replicas and announce it; returns the seconds it took."""
         t0 = time.perf_counter()
         await self.pusher.push(self.named_weights, self.version)
         await self.ctx.state.set_policy_version(self.version)
         self.ctx.policy_version = self.version
-        self.push_seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     async def _finish(self, ledger_path: Path) -> None:
         """After the last step: the final model, the last validation, what is still in flight."""
