@@ -43,6 +43,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -392,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force-checkout-imports", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile-dir", default=None, help="profile one extra step per config into this folder")
+    p.add_argument(
+        "--in-process", action="store_true", help="all configs in this process (default: a process each)"
+    )
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # a child reuses the parent's model
+    p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     PROFILE["dir"] = args.profile_dir
 
@@ -399,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
 
-    from rlbus.learner import perf
     from rlbus.learner.dist import context as dist_context
 
     if args.device == "auto":
@@ -410,70 +415,104 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(ALL_CONFIGS))
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    # on a GPU a world of one still gets FSDP2's mixed precision; under torchrun every rank joins, rank 0
-    # measures and the others follow each rlbus config (the plain loops are single-process: skipped)
-    ctx = dist_context.init_distributed(args.device)
-    if ctx.world_size > 1:
-        return main_ranks(args, configs, ctx)
-    print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
+    # under torchrun every rank joins, rank 0 measures and the others follow each rlbus config (the plain
+    # loops are single-process: skipped); a process that only starts one child per config stays off the GPU
+    in_process = args.in_process or len(configs) == 1
+    if in_process or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ctx = dist_context.init_distributed(args.device)  # on a GPU a world of one: FSDP2's mixed precision
+        if ctx.world_size > 1:
+            return main_ranks(args, configs, ctx)
+    if not args.model_dir:
+        gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
     config = model_config(args)
     fixed, var = batch_lengths(args)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        t0 = time.perf_counter()
-        model_dir = build_model_dir(config, Path(tmp) / "model")
-        print(
-            f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s",
-            flush=True,
-        )
-        for name in configs:
-            lengths = var if name.endswith("/var") else fixed
-            batch = make_batch(lengths, config.vocab_size, args.prompt_len, args.group)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+        else:
             t0 = time.perf_counter()
-            PROFILE["name"] = name
-            try:
-                if name.startswith("plain"):
-                    res = run_plain(model_dir, batch, args, name)
-                else:
-                    res = run_rlbus(model_dir, batch, args, name)
-            except Exception as exc:  # one failing config must not lose the others' numbers
-                import traceback
-
-                traceback.print_exc()
-                results[name] = {"error": repr(exc)}
-                continue
-            finally:
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            tokens = sum(lengths)
-            seq_eff = sum(n * n for n in lengths) / tokens
-            flops_tok = perf.train_flops_per_token(config, seq_eff)
-            step_s = statistics.median(res["times"])
-            res.update(
-                tokens=tokens,
-                padded_tokens=len(lengths) * max(lengths),
-                step_s=step_s,
-                tokens_per_s=tokens / step_s,
-                mfu=perf.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
-                tflops=tokens / step_s * flops_tok / 1e12,
-                wall_s=time.perf_counter() - t0,
-                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
-            )
-            results[name] = res
+            model_dir = build_model_dir(config, Path(tmp) / "model")
             print(
-                f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
-                f"({res['wall_s']:.0f}s incl. set-up)",
+                f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s",
                 flush=True,
             )
-    print_table(results, args, config)
+        for name in configs:
+            if in_process:
+                results[name] = measure_config(name, model_dir, args, config, fixed, var)
+            else:
+                results[name] = measure_in_child(name, model_dir, argv, Path(tmp))
+    if not args.no_table:
+        print_table(results, args, config)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2, default=str))
     dist_context.shutdown()
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def measure_config(
+    name: str, model_dir: Path, args: argparse.Namespace, config: Any, fixed: list[int], var: list[int]
+) -> dict[str, Any]:
+    """Time one config in this process: its step times, tokens/s, MFU and peak memory (or its error)."""
+    import torch
+
+    from rlbus.learner import perf
+
+    lengths = var if name.endswith("/var") else fixed
+    batch = make_batch(lengths, config.vocab_size, args.prompt_len, args.group)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    PROFILE["name"] = name
+    try:
+        res = (
+            run_plain(model_dir, batch, args, name)
+            if name.startswith("plain")
+            else run_rlbus(model_dir, batch, args, name)
+        )
+    except Exception as exc:  # one failing config must not lose the others' numbers
+        import traceback
+
+        traceback.print_exc()
+        return {"error": repr(exc)}
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    tokens = sum(lengths)
+    flops_tok = perf.train_flops_per_token(config, sum(n * n for n in lengths) / tokens)
+    step_s = statistics.median(res["times"])
+    res.update(
+        tokens=tokens,
+        padded_tokens=len(lengths) * max(lengths),
+        step_s=step_s,
+        tokens_per_s=tokens / step_s,
+        mfu=perf.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
+        tflops=tokens / step_s * flops_tok / 1e12,
+        wall_s=time.perf_counter() - t0,
+        peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+    )
+    print(
+        f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
+        f"({res['wall_s']:.0f}s incl. set-up)",
+        flush=True,
+    )
+    return res
+
+
+def measure_in_child(name: str, model_dir: Path, argv: list[str] | None, tmp: Path) -> dict[str, Any]:
+    """One config in a fresh process, as a learner runs one config per process: configs timed one after
+    another in one process changed each other's numbers (Liger patches transformers' modeling module for
+    the whole process, and the compiled blocks of earlier configs stay in dynamo's caches; measured on the
+    H200: +pack 119k -> 88-108k tok/s depending on what ran before it)."""
+    out = tmp / f"{name.replace('/', '_').replace('+', '_')}.json"
+    cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
+    cmd += ["--configs", name, "--out", str(out), "--model-dir", str(model_dir), "--no-table"]
+    rc = subprocess.run(cmd, check=False).returncode
+    if not out.exists():
+        return {"error": f"the child process for {name} exited {rc} without results"}
+    return json.loads(out.read_text())["results"][name]
 
 
 def batch_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:

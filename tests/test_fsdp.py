@@ -280,6 +280,8 @@ def test_micro_batch_planning() -> None:
     assert sorted(sum(lens[i] for i in b) for b in even) == [1800, 2300]
     assert sorted(i for b in even for i in b) == list(range(4)) and all(b == sorted(b) for b in even)
     assert microbatch.balanced_bins([0, 1], [3000, 2000], 4000) == [[0], [1]]
+    # one length: runs of consecutive rows (views of the batch, the padded path's micro-batches)
+    assert microbatch.balanced_bins(list(range(5)), [100] * 5, 300) == [[0, 1, 2], [3, 4]]
     more = microbatch.equalize(bins, len(bins) + 2, lengths)
     assert len(more) == len(bins) + 2 and sorted(i for b in more for i in b) == list(range(8))
     assert microbatch.equalize([[3]], 3, lengths) == [[3], [], []]  # nothing to split: dummies

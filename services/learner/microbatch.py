@@ -46,11 +46,18 @@ def balanced_bins(positions: list[int], lengths: list[int], max_tokens: int) -> 
     """As few micro-batches as `token_bins` needs, with their tokens balanced (each next-longest sequence to
     the lightest bin), like verl's balanced ``rearrange_micro_batches``: first-fit alone fills the first
     bins to the brim and leaves a sliver for the last. Falls back to first-fit when balancing would break
-    the bound. Each bin keeps batch order."""
+    the bound. Each bin keeps batch order. Sequences of one length go in runs of consecutive rows: as
+    balanced, and a run is a view of the batch where dealt rows would be gathered on the host (on the H200
+    the gathered equal-length packed step sometimes ran 25% slower than the padded one)."""
     first_fit = token_bins(positions, lengths, max_tokens)
     n = len(first_fit)
     if n <= 1:
         return [sorted(b) for b in first_fit]
+    if len({lengths[i] for i in positions}) == 1:
+        rows = sorted(positions)
+        q, r = divmod(len(rows), n)  # n runs, sizes q or q + 1 (at most first-fit's fill, so within bound)
+        starts = [k * q + min(k, r) for k in range(n + 1)]
+        return [rows[starts[k] : starts[k + 1]] for k in range(n)]
     bins: list[list[int]] = [[] for _ in range(n)]
     loads = [0] * n
     for i in sorted(positions, key=lambda j: (-lengths[j], j)):

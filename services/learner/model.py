@@ -61,7 +61,9 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         apply_liger(model)
     compile_layers = cfg.actor.use_torch_compile
     if compile_layers is None:
-        compile_layers = ctx.device.type == "cuda"
+        # Liger's kernels are the fusion already, and its RMSNorm kernel fails to build inside an inductor
+        # graph (torch 2.11, liger 0.8.5: dynamo then retraces and warns on every block)
+        compile_layers = ctx.device.type == "cuda" and not mcfg.use_liger
     if compile_layers:
         # Every block shares one code object, so its graphs (grad on/off, each width until dynamic
         # shapes kick in, packed or padded) count against one recompile limit: past torch's default

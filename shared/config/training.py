@@ -83,7 +83,8 @@ class ActorConfig(Section):
     )
     use_torch_compile: bool | None = Field(
         None,
-        description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA",
+        description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA "
+        "and model.use_liger is off",
     )
     master_weights: Literal["auto", "model", "optimizer"] = Field(
         "auto",
