@@ -199,19 +199,38 @@ PROFILE: dict[str, Any] = {}  # --profile-dir: where time_steps writes a profile
 
 
 def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
+    """Each timed step's seconds; what dynamo compiled during them goes to ``DYNAMO_DURING_TIMING`` (a
+    config that still compiles or breaks graphs in its timed steps reads slow for that reason)."""
     for _ in range(warmup):
         step()
     _sync()
+    before = dynamo_counts()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         _sync()
         times.append(time.perf_counter() - t0)
+    after = dynamo_counts()
+    DYNAMO_DURING_TIMING.clear()
+    DYNAMO_DURING_TIMING.update({k: after[k] - before[k] for k in after})
     if PROFILE.get("dir"):
         name = PROFILE["name"].replace("/", "_").replace("+", "_")  # a file name any tool copies
         profile_step(step, Path(PROFILE["dir"]) / f"{name}.txt")
     return times
+
+
+DYNAMO_DURING_TIMING: dict[str, int] = {}
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graphs dynamo compiled and graph breaks it met so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs_compiled": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 def profile_step(step: Any, out: Path) -> None:
@@ -315,6 +334,7 @@ def time_rlbus(trainer: Any, batch: Any, args: argparse.Namespace, packed: bool)
         metrics.update(trainer.train_step(batch))
 
     out["times"] = time_steps(step, args.warmup, args.steps)
+    out["dynamo_during_timing"] = dict(DYNAMO_DURING_TIMING)
     out["loss"] = metrics.get("actor/loss")
     t0 = time.perf_counter()  # what a weight push streams: every full tensor once (all-gathered under FSDP)
     out["full_state_gb"] = sum(t.numel() * t.element_size() for _, t in trainer.named_weights()) / 1e9
@@ -394,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile-dir", default=None, help="profile one extra step per config into this folder")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every config this many times, in turn (median round shown)",
+    )
+    p.add_argument(
         "--in-process", action="store_true", help="all configs in this process (default: a process each)"
     )
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # a child reuses the parent's model
@@ -438,11 +464,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"model: {sum(1 for _ in model_dir.iterdir())} files in {time.perf_counter() - t0:.1f}s",
                 flush=True,
             )
-        for name in configs:
-            if in_process:
-                results[name] = measure_config(name, model_dir, args, config, fixed, var)
-            else:
-                results[name] = measure_in_child(name, model_dir, argv, Path(tmp))
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.rounds):  # configs in turn, so that a slow spell of the machine hits them all
+            for name in configs:
+                if in_process:
+                    res = measure_config(name, model_dir, args, config, fixed, var)
+                else:
+                    res = measure_in_child(name, model_dir, argv, Path(tmp))
+                rounds.setdefault(name, []).append(res)
+        results = {name: median_round(runs) for name, runs in rounds.items()}
     if not args.no_table:
         print_table(results, args, config)
     if args.out:
@@ -495,7 +525,8 @@ def measure_config(
     )
     print(
         f"  {name:16s} step {step_s:7.3f}s  {res['tokens_per_s']:10.0f} tok/s  MFU {res['mfu']:6.1%}  "
-        f"({res['wall_s']:.0f}s incl. set-up)",
+        f"({res['wall_s']:.0f}s incl. set-up); steps {' '.join(f'{t:.3f}' for t in res['times'])}; "
+        f"during them dynamo {res.get('dynamo_during_timing', {})}",
         flush=True,
     )
     return res
@@ -508,11 +539,31 @@ def measure_in_child(name: str, model_dir: Path, argv: list[str] | None, tmp: Pa
     H200: +pack 119k -> 88-108k tok/s depending on what ran before it)."""
     out = tmp / f"{name.replace('/', '_').replace('+', '_')}.json"
     cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
-    cmd += ["--configs", name, "--out", str(out), "--model-dir", str(model_dir), "--no-table"]
+    cmd += [
+        "--configs",
+        name,
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+        "--model-dir",
+        str(model_dir),
+        "--no-table",
+    ]
     rc = subprocess.run(cmd, check=False).returncode
     if not out.exists():
         return {"error": f"the child process for {name} exited {rc} without results"}
     return json.loads(out.read_text())["results"][name]
+
+
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A config's rounds as one result: the round of median tokens/s, with every round's tokens/s beside
+    it (an error in any round is the result)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def batch_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
@@ -590,6 +641,9 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) 
             f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
             f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_mem_gb']:7.1f} {ratio:8.2f}"
         )
+    for name, r in results.items():
+        if len(r.get("rounds_tokens_per_s", [])) > 1:
+            print(f"{name}: tok/s per round {' '.join(f'{x:.0f}' for x in r['rounds_tokens_per_s'])}")
     for name, r in results.items():
         if "packed_vs_padded_max_abs_dlogp" in r:
             print(f"{name}: packed vs padded log-probs, max |diff| {r['packed_vs_padded_max_abs_dlogp']:.3g}")

@@ -43,7 +43,9 @@ def _forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from rlbus.modeling import token_logprobs
 
-    lengths = mb.attention_mask.sum(-1).long()
+    # the host-side bookkeeping in numpy: torch's CPU ops wait on its thread pool, milliseconds each on a
+    # busy GPU host (see _packed_layout)
+    lengths = mb.attention_mask.cpu().numpy().sum(-1).astype(np.int64)
     bsz, width = mb.input_ids.shape
     # Rows of one length have no padding to remove: the dense rows are the cheaper layout for the kernels
     # (measured on the H200: varlen over equal lengths ran ~5% below batched flash sdpa).
@@ -71,7 +73,7 @@ def _forward_logprobs(
     bounds = {}
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION:
         # the sequence bounds, from host-side lengths: no device sync inside the (compiled) layers
-        cu = to_device(torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32), device)
+        cu = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)), device)
         max_len = int(lengths.max())
         bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
     wanted = layout["wanted"]
@@ -96,7 +98,7 @@ def _forward_logprobs(
     return scatter(lp_p), scatter(ent_p) if ent_p is not None else None
 
 
-def _packed_layout(mb: TrainBatch, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+def _packed_layout(mb: TrainBatch, lengths: np.ndarray) -> dict[str, torch.Tensor]:
     """Where the real tokens of right-padded rows go in one packed row, worked out with numpy on the host
     (torch's CPU gathers, in a busy GPU host's thread pool, took milliseconds each: measured in the packed
     learner step's profile on the H200). Packed index j predicts packed token j + 1, so row b's predictions
@@ -104,7 +106,7 @@ def _packed_layout(mb: TrainBatch, lengths: torch.Tensor) -> dict[str, torch.Ten
 
     ids/pos ``[1, T]``; wanted ``[1, T-1]`` (response positions); rows/cols/src: padded (row, column) of
     each prediction and its packed index."""
-    n = lengths.numpy().astype(np.int64)
+    n = lengths
     keep = np.arange(mb.input_ids.shape[1])[None, :] < n[:, None]
     n_pred = np.maximum(n - 1, 0)
     rows = np.repeat(np.arange(len(n)), n_pred)
