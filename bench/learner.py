@@ -20,15 +20,19 @@ The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, inte
 (``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
 attention per token, recompute not counted, padding not counted (see ``perf.train_flops_per_token``).
 
+Each config runs in a process of its own (``--in-process``: all in this one), as a learner runs one
+config: timed one after another in one process, configs changed each other's numbers.
+
 Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 8, bf16, the
-median of 4 steps), 2026-12-04: plain-bf16 85.2k tok/s (27.8% MFU, 52.7 GB); rlbus 118.2k (38.6%, 25.3 GB,
-1.39x); rlbus+pack 120.7k; mixed lengths: plain-bf16 43.9k, rlbus 66.5k, rlbus+pack 100.9k (1.52x padded).
+median of 4 steps), 2026-12-04 10:24 UTC: plain-bf16 85.0k tok/s (27.8% MFU, 52.7 GB); rlbus 121.6k (39.7%,
+25.3 GB, 1.43x); rlbus+pack 119.1k; mixed lengths: plain-bf16 44.6k, rlbus 67.8k, rlbus+pack 107.0k (1.58x
+padded). The packed configs had a slow mode that day (some processes ~25% below those figures).
 The README's Benchmarks section has the table, the command and what changed.
 
 Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
 ``rlbus.<service>`` -> ``services/<service>/`` are mapped at start-up):
 
-    python bench/learner.py                               # GPU: the full comparison (~2-3 min on an H200)
+    python bench/learner.py                               # GPU: the full comparison (~6 min on an H200)
     python bench/learner.py --tiny --device cpu --steps 1 # a smoke run of the script on a CPU
     python bench/learner.py --seq-len 1024 --batch 32 --configs plain,rlbus
     torchrun --nproc-per-node 2 bench/learner.py --configs rlbus   # FSDP2 over 2 GPUs, the same global batch
