@@ -263,10 +263,13 @@ survivor_logs() {  # since the victim was throttled, of every rollout container 
         [[ $c == "$victim" ]] || "$DOCKER" logs --since "$throttle_ts" "$c" 2>&1
     done
 }
-healthy_replica() {  # a running, healthy rollout container other than the ones already tried
+incarnation() {  # a container's id and start time: compose 1.29's `up --scale` restarts a killed replica
+    "$DOCKER" inspect -f '{{.Id}}@{{.State.StartedAt}}' "$1"  # in place (same id), a new replica all the same
+}
+healthy_replica() {  # a running, healthy rollout replica other than the ones already tried
     local c
     for c in $("${COMPOSE[@]}" ps -q rollout); do
-        [[ " $tried " == *" $c "* ]] && continue
+        [[ " $tried " == *" $(incarnation "$c") "* ]] && continue
         [[ $("$DOCKER" inspect -f '{{.State.Health.Status}}' "$c") == healthy ]] && { echo "$c"; return; }
     done
 }
@@ -279,7 +282,7 @@ for attempt in 1 2 3 4 5 6; do
         (( SECONDS < deadline )) || { states; log "no healthy rollout replica left to kill"; exit 1; }
         sleep 1
     done
-    tried+=" $victim"
+    tried+=" $(incarnation "$victim")"
     throttle_ts=$(date +%s)
     "$DOCKER" update --cpus 0.05 "$victim" >/dev/null
     for _ in $(seq 50); do (( $(ack_pending) > 0 )) && break; sleep 0.2; done
