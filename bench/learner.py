@@ -202,8 +202,8 @@ def _sync() -> None:
 PROFILE: dict[str, Any] = {}  # --profile-dir: where time_steps writes a profile of one extra step
 
 
-def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
-    """Each timed step's seconds; what dynamo compiled during them goes to ``DYNAMO_DURING_TIMING`` (a
+def time_steps(step: Any, warmup: int, steps: int) -> dict[str, Any]:
+    """``times``: each timed step's seconds; ``dynamo_during_timing``: what dynamo compiled during them (a
     config that still compiles or breaks graphs in its timed steps reads slow for that reason)."""
     for _ in range(warmup):
         step()
@@ -216,15 +216,10 @@ def time_steps(step: Any, warmup: int, steps: int) -> list[float]:
         _sync()
         times.append(time.perf_counter() - t0)
     after = dynamo_counts()
-    DYNAMO_DURING_TIMING.clear()
-    DYNAMO_DURING_TIMING.update({k: after[k] - before[k] for k in after})
     if PROFILE.get("dir"):
         name = PROFILE["name"].replace("/", "_").replace("+", "_")  # a file name any tool copies
         profile_step(step, Path(PROFILE["dir"]) / f"{name}.txt")
-    return times
-
-
-DYNAMO_DURING_TIMING: dict[str, int] = {}
+    return {"times": times, "dynamo_during_timing": {k: after[k] - before[k] for k in after}}
 
 
 def dynamo_counts() -> dict[str, int]:
@@ -337,8 +332,7 @@ def time_rlbus(trainer: Any, batch: Any, args: argparse.Namespace, packed: bool)
     def step() -> None:
         metrics.update(trainer.train_step(batch))
 
-    out["times"] = time_steps(step, args.warmup, args.steps)
-    out["dynamo_during_timing"] = dict(DYNAMO_DURING_TIMING)
+    out.update(time_steps(step, args.warmup, args.steps))
     out["loss"] = metrics.get("actor/loss")
     t0 = time.perf_counter()  # what a weight push streams: every full tensor once (all-gathered under FSDP)
     out["full_state_gb"] = sum(t.numel() * t.element_size() for _, t in trainer.named_weights()) / 1e9
@@ -387,7 +381,7 @@ def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
         opt.step()
 
     out = {
-        "times": time_steps(step, args.warmup, args.steps),
+        **time_steps(step, args.warmup, args.steps),
         "attn": "sdpa",
         "fsdp": False,
         "micro_batches": n_micro,
@@ -457,7 +451,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlbus from {where}; torch {torch.__version__}; device {gpu}", flush=True)
     config = model_config(args)
     fixed, var = batch_lengths(args)
-    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
         if args.model_dir:
             model_dir = Path(args.model_dir)
@@ -515,7 +508,7 @@ def measure_config(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     tokens = sum(lengths)
-    flops_tok = perf.train_flops_per_token(config, sum(n * n for n in lengths) / tokens)
+    flops_tok = flops_per_token(config, lengths)
     step_s = statistics.median(res["times"])
     res.update(
         tokens=tokens,
@@ -570,6 +563,13 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[(len(ranked) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
+def flops_per_token(config: Any, lengths: list[int]) -> float:
+    """Training FLOPs per real token of a batch of these sequence lengths (attention by its mean n^2)."""
+    from rlbus.learner import perf
+
+    return perf.train_flops_per_token(config, sum(n * n for n in lengths) / sum(lengths))
+
+
 def batch_lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     """Sequence lengths of the equal-length batch and of the mixed one (uniform in [seq_len/8, seq_len])."""
     import torch
@@ -608,7 +608,7 @@ def main_ranks(args: argparse.Namespace, configs: list[str], ctx: Any) -> int:
             res = run_rlbus(model_dir, batch, args, name)
             tokens = sum(lengths)
             step_s = statistics.median(res["times"])
-            flops_tok = perf.train_flops_per_token(config, sum(n * n for n in lengths) / tokens)
+            flops_tok = flops_per_token(config, lengths)
             peak = args.peak_tflops * 1e12 * ctx.world_size
             results[name] = {**res, "step_s": step_s, "tokens_per_s": tokens / step_s}
             print(

@@ -98,15 +98,14 @@ def _forward_logprobs(
     return scatter(lp_p), scatter(ent_p) if ent_p is not None else None
 
 
-def _packed_layout(mb: TrainBatch, lengths: np.ndarray) -> dict[str, torch.Tensor]:
+def _packed_layout(mb: TrainBatch, n: np.ndarray) -> dict[str, torch.Tensor]:
     """Where the real tokens of right-padded rows go in one packed row, worked out with numpy on the host
     (torch's CPU gathers, in a busy GPU host's thread pool, took milliseconds each: measured in the packed
     learner step's profile on the H200). Packed index j predicts packed token j + 1, so row b's predictions
     t = 0..n_b-2 sit at offset_b + t; the last token of a row predicts the next row's first (not wanted).
 
     ids/pos ``[1, T]``; wanted ``[1, T-1]`` (response positions); rows/cols/src: padded (row, column) of
-    each prediction and its packed index."""
-    n = lengths
+    each prediction and its packed index. ``n``: the rows' lengths."""
     keep = np.arange(mb.input_ids.shape[1])[None, :] < n[:, None]
     n_pred = np.maximum(n - 1, 0)
     rows = np.repeat(np.arange(len(n)), n_pred)
