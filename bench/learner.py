@@ -563,6 +563,19 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**ranked[(len(ranked) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
+def packed_vs_padded(results: dict[str, Any]) -> dict[str, tuple[list[float], float]]:
+    """Each packed config's tokens/s over its padded twin's, round by round (the two ran back to back in
+    each round, so a slow spell of the machine hits both) and the median of those paired ratios."""
+    paired = {}
+    for name, r in results.items():
+        twin = results.get(name.replace("+pack", ""), {})
+        if "+pack" not in name or "rounds_tokens_per_s" not in r or "rounds_tokens_per_s" not in twin:
+            continue
+        ratios = [a / b for a, b in zip(r["rounds_tokens_per_s"], twin["rounds_tokens_per_s"], strict=True)]
+        paired[name] = (ratios, statistics.median(ratios))
+    return paired
+
+
 def flops_per_token(config: Any, lengths: list[int]) -> float:
     """Training FLOPs per real token of a batch of these sequence lengths (attention by its mean n^2)."""
     from rlbus.learner import perf
@@ -648,6 +661,10 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) 
     for name, r in results.items():
         if len(r.get("rounds_tokens_per_s", [])) > 1:
             print(f"{name}: tok/s per round {' '.join(f'{x:.0f}' for x in r['rounds_tokens_per_s'])}")
+    for name, (per_round, median) in packed_vs_padded(results).items():
+        print(
+            f"{name}: packed/padded tok/s per round {' '.join(f'{x:.3f}' for x in per_round)}; median {median:.3f}"
+        )
     for name, r in results.items():
         if "packed_vs_padded_max_abs_dlogp" in r:
             print(f"{name}: packed vs padded log-probs, max |diff| {r['packed_vs_padded_max_abs_dlogp']:.3g}")
