@@ -1,6 +1,6 @@
 """Learner step benchmark: tokens/s, MFU and peak memory of one training step (forward + backward + optimizer).
 
-Runs, one after the other in one process on the same batch:
+Runs, one after the other on the same batch:
 
 * ``plain-bf16``: the loop a user writes by hand, the baseline of the ratio column: the model held in bf16,
   SDPA attention, fused AdamW, the model's own cross-entropy (``labels=``) over the whole sequence,
@@ -24,9 +24,9 @@ Each config runs in a process of its own (``--in-process``: all in this one), as
 config: timed one after another in one process, configs changed each other's numbers.
 
 Measured on one H200 (torch 2.11, transformers 5.17; seq_len 2048, 16 sequences, micro-batch 8, bf16, the
-median of 4 steps), 2026-12-04 10:24 UTC: plain-bf16 85.0k tok/s (27.8% MFU, 52.7 GB); rlbus 121.6k (39.7%,
-25.3 GB, 1.43x); rlbus+pack 119.1k; mixed lengths: plain-bf16 44.6k, rlbus 67.8k, rlbus+pack 107.0k (1.58x
-padded). The packed configs had a slow mode that day (some processes ~25% below those figures).
+median of 4 steps), 2026-12-04 13:58 UTC: plain-bf16 84.0k tok/s (27.4% MFU, 52.7 GB); rlbus 117.2k (38.2%,
+25.3 GB, 1.39x); rlbus+pack 116.6k (1.00x padded); mixed lengths: plain-bf16 44.1k, rlbus 66.5k,
+rlbus+pack 91.2k (1.37x padded; 1.37-1.60x over six processes that day, paired round by round).
 The README's Benchmarks section has the table, the command and what changed.
 
 Runs from a plain checkout without installing the package (``rlbus`` -> ``shared/``,
