@@ -217,9 +217,13 @@ def time_steps(step: Any, warmup: int, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     after = dynamo_counts()
     if PROFILE.get("dir"):
-        name = PROFILE["name"].replace("/", "_").replace("+", "_")  # a file name any tool copies
-        profile_step(step, Path(PROFILE["dir"]) / f"{name}.txt")
+        profile_step(step, Path(PROFILE["dir"]) / f"{file_stem(PROFILE['name'])}.txt")
     return {"times": times, "dynamo_during_timing": {k: after[k] - before[k] for k in after}}
+
+
+def file_stem(config: str) -> str:
+    """A config's name as a file name any tool copies (no ``/`` or ``+``)."""
+    return config.replace("/", "_").replace("+", "_")
 
 
 def dynamo_counts() -> dict[str, int]:
@@ -534,7 +538,7 @@ def measure_in_child(name: str, model_dir: Path, argv: list[str] | None, tmp: Pa
     another in one process changed each other's numbers (Liger patches transformers' modeling module for
     the whole process, and the compiled blocks of earlier configs stay in dynamo's caches; measured on the
     H200: +pack 119k -> 88-108k tok/s depending on what ran before it)."""
-    out = tmp / f"{name.replace('/', '_').replace('+', '_')}.json"
+    out = tmp / f"{file_stem(name)}.json"
     cmd = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]
     cmd += [
         "--configs",
