@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
@@ -22,6 +22,7 @@ from rlbus.supervisor import Action, Supervisor
 
 if TYPE_CHECKING:
     from rlbus.bus import LocalNatsServer
+    from rlbus.bus.roles import RoleUser
 
 log = get_logger("launcher")
 
@@ -145,15 +146,49 @@ def service_processes(
     return procs
 
 
-def prepare_run(cfg: RlbusConfig, fresh: bool) -> tuple[Path, Path, LocalNatsServer | None]:
-    """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any."""
+def bus_users(cfg: RlbusConfig, procs: list[ServiceProcess]) -> list[RoleUser]:
+    """One NATS user per service process (by its instance id), and the reader."""
+    from rlbus.bus.roles import Role, make_users
+    from rlbus.bus.subjects import RunNames
+
+    return make_users(RunNames(cfg.run.id), {instance_of(p): cast(Role, p.service) for p in procs})
+
+
+def instance_of(p: ServiceProcess) -> str:
+    """The instance id a service process runs as (the learner's own is not fixed: its role covers it)."""
+    for flag in ("--instance-id", "--replica-id"):
+        if flag in p.args:
+            return p.args[p.args.index(flag) + 1]
+    return p.service
+
+
+def role_env(users: list[RoleUser], p: ServiceProcess) -> dict[str, str]:
+    """The environment that makes `p` connect as its own user."""
+    user = next(u for u in users if u.instance == instance_of(p))
+    return {"RLBUS_BUS__USER": user.user, "RLBUS_BUS__PASSWORD": user.password}
+
+
+def prepare_run(
+    cfg: RlbusConfig, fresh: bool, users: list[RoleUser] | None = None
+) -> tuple[Path, Path, LocalNatsServer | None]:
+    """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any.
+    With `users`, the server is the run's own, and only they may connect (each with its role's rights)."""
     from rlbus.bus import resolve_bus_url
+    from rlbus.bus.local_server import start_run_server
+    from rlbus.bus.roles import authorization_block, write_reader
+    from rlbus.bus.subjects import RunNames
 
     run_dir = run_dir_of(cfg)
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    url, server = resolve_bus_url(cfg.bus, run_dir)
+    server: LocalNatsServer | None
+    if users is not None and not cfg.bus.url:
+        write_reader(users, run_dir / "nats")
+        auth = authorization_block(users, RunNames(cfg.run.id), cfg.needs_ref)
+        url, server = start_run_server(cfg.bus, run_dir, auth)
+    else:
+        url, server = resolve_bus_url(cfg.bus, run_dir)
     resolved = cfg.model_copy(deep=True)
     resolved.bus.url = url
     if "jsonl" not in resolved.trainer.logger:  # the progress lines on this terminal are read from it
@@ -326,10 +361,15 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
 
     for warning in inert_key_warnings(cfg):
         print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
-    run_dir, config_path, server = prepare_run(cfg, fresh)
+    with_roles = cfg.bus.roles and not cfg.bus.url
+    planned = service_processes(cfg, run_dir_of(cfg) / "config.yaml", run_dir_of(cfg), gpus)
+    users = bus_users(cfg, planned) if with_roles else None
+    run_dir, config_path, server = prepare_run(cfg, fresh, users)
     procs = service_processes(cfg, config_path, run_dir, gpus)
     threads = cpu_thread_env(cfg, procs, gpus)
     for p in procs:
+        if users is not None:
+            p.env.update(role_env(users, p))
         p.env.update(gpu_env(gpus))
         p.env.update(threads.get(p.name, {}))
         p.preforked = cfg.run.service_start == "fork"

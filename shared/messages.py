@@ -200,6 +200,23 @@ class WeightAck(Message):
     detail: str = ""
 
 
+class JoinCall(Message):
+    """The learner's roll call before it forms a weight group: only replicas that answer it join."""
+
+    kind: ClassVar[str] = "join_call"
+    run_id: str
+    call_id: str  # the answers name it: a late answer to an earlier call counts for nothing
+
+
+class JoinReply(Message):
+    """A replica's answer to a roll call: its id and the process (incarnation) that answers."""
+
+    kind: ClassVar[str] = "join_reply"
+    call_id: str
+    replica_id: str
+    incarnation: str
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     PromptWork,
     TrajectoryGroup,
@@ -208,6 +225,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     WeightAnnouncement,
     Heartbeat,
     WeightAck,
+    JoinCall,
+    JoinReply,
 )
 _BY_KIND = {m.kind: m for m in ALL_MESSAGES}
 

@@ -33,7 +33,8 @@ def progress_line(step: int, total: int | None, m: dict[str, Any]) -> str:
         f"Throughput {f('perf/samples_per_s', fmt='{:.1f}')} samples/s | acc {f('reward/accuracy')} | "
         f"val {f('val/accuracy')} | kl {f('actor/kl', fmt='{:.4f}')} | "
         f"len {f('response/length_mean', fmt='{:.1f}')} | tok/s {f('perf/tokens_per_s', fmt='{:.0f}')} | "
-        f"lag {f('staleness/mean', fmt='{:.2f}')} | dropped {f('staleness/dropped_total', fmt='{:.0f}')}"
+        f"lag {f('staleness/mean', fmt='{:.2f}')} | dropped {f('staleness/dropped_total', fmt='{:.0f}')} | "
+        f"reward err {f('reward/error_rate', fmt='{:.2f}')}"
     )
 
 

@@ -61,6 +61,14 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature is None or temperature <= 0 else float(temperature)
 
 
+def model_vocab_size(path: str | Path, trust_remote_code: bool = False) -> int:
+    """The embedding's row count of the checkpoint at `path`: a token id at or past it crashes a forward."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return int(getattr(config, "get_text_config", lambda: config)().vocab_size)
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """AutoTokenizer from a local dir; pad falls back to eos because batching needs some pad id."""
     path = Path(path)

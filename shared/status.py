@@ -284,12 +284,29 @@ async def _status(cfg: RlbusConfig, url: str, watch: bool) -> int:
             pass
 
 
+def as_reader(cfg: RlbusConfig) -> RlbusConfig:
+    """A run `rlbus up` started with its own server has a read-only user for status: connect as it, unless
+    credentials were given."""
+    from rlbus.bus.roles import read_reader
+
+    bus = cfg.bus
+    if bus.user or bus.token or bus.creds_file or bus.nkeys_seed:
+        return cfg
+    reader = read_reader(Path(cfg.run.dir) / cfg.run.id / "nats")
+    if reader is None:
+        return cfg
+    out = cfg.model_copy(deep=True)
+    out.bus.user, out.bus.password = reader
+    return out
+
+
 def run_status(cfg: RlbusConfig, watch: bool = False) -> int:
     """Print the run's status table (again every 2 s with `watch`, until Ctrl-C). 1 when no server answers."""
     from rlbus.bus import redact_url
     from rlbus.logs import setup_logging
 
     setup_logging("critical", service=None)  # bus chatter (reconnects) must not mix into the table
+    cfg = as_reader(cfg)
     url = status_url(cfg)
     if url is None:
         print(

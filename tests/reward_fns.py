@@ -36,3 +36,16 @@ def batch_compute_score(data_sources, solution_strs, ground_truths, extra_infos)
 
 def batch_wrong_length(data_sources, solution_strs, ground_truths, extra_infos):
     return [0.0]
+
+
+def two_arguments(prompt: str, response: str) -> float:
+    """A function written for another framework: it cannot take our (prompt, response, meta)."""
+    return 1.0
+
+
+def returns_nothing(prompt: str, response: str, meta: dict) -> None:
+    """Forgot its return statement."""
+
+
+def verl_style_missing_ground_truth(data_source, solution_str):
+    return 0.0

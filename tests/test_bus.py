@@ -26,6 +26,8 @@ from rlbus.messages import (
     ALL_MESSAGES,
     SCHEMA_VERSION,
     Heartbeat,
+    JoinCall,
+    JoinReply,
     Message,
     PromptWork,
     ReadyGroup,
@@ -126,6 +128,8 @@ def one_of_each(run_id: str) -> dict[type[Message], Message]:
             host="h",
         ),
         WeightAck: WeightAck(replica_id="r0", version=3, ok=True, detail="loaded"),
+        JoinCall: JoinCall(run_id=run_id, call_id="c1"),
+        JoinReply: JoinReply(call_id="c1", replica_id="r0", incarnation="abc"),
     }
     assert set(made) == set(ALL_MESSAGES), "a new message schema needs a sample here"
     return made

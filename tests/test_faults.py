@@ -9,6 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from e2e_utils import Run, make_config
 
@@ -16,7 +17,16 @@ from rlbus import codec
 from rlbus.bus import Bus, LocalNatsServer, Stage
 from rlbus.bus.headers import CLAIM_HEADER, CLAIM_SIZE_HEADER
 from rlbus.config import RlbusConfig
-from rlbus.messages import SCHEMA_VERSION, PromptWork, SamplingParams, encode
+from rlbus.messages import (
+    SCHEMA_VERSION,
+    PromptWork,
+    ReadyGroup,
+    SamplingParams,
+    ScoredGroup,
+    TrajectoryGroup,
+    decode,
+    encode,
+)
 
 STEPS, BATCH = 30, 8  # long enough that the attack lands mid-run on a fast machine
 RESTART_STEPS = 200  # a step takes ~0.1 s on an idle machine: both outages must land mid-run
@@ -289,3 +299,117 @@ def test_hostile_prompt_work_is_dead_lettered_alone_and_no_replica_exits(
             p.log_path.read_text(errors="replace") for p in run.procs if p.name.startswith("rollout")
         )
         assert rollout_log.count("work item dead-lettered") == len(hostile), rollout_log[-3000:]
+
+
+# ---------------------------------------------------------------- hostile ready groups for prompts in flight
+
+HOSTILE_READY = [  # (what is done to an honest-looking group, the fragment of its dead letter's reason)
+    ("fewer rewards than samples", "rewards and"),
+    ("log-probs shorter than the response", "log-probs for"),
+    ("one log-prob for the whole response", "log-probs for"),
+    ("out-of-vocabulary response token", "outside the vocabulary"),
+    ("NaN log-prob", "non-finite log-prob"),
+    ("+inf reward", "reward is not finite"),
+]
+
+
+def _hostile_ready(traj: TrajectoryGroup, what: str) -> ReadyGroup:
+    """A schema-valid ReadyGroup for `traj`'s prompt (really in flight), broken the way `what` says."""
+    n = len(traj.samples)
+    samples = [s.model_copy() for s in traj.samples]
+    rewards = [1.0] * n
+    first = samples[0]
+    long_enough = max(range(n), key=lambda i: len(samples[i].response_ids))
+    if what == "fewer rewards than samples":
+        rewards = rewards[:1]
+    elif what == "log-probs shorter than the response":
+        s = samples[long_enough]
+        samples[long_enough] = s.model_copy(
+            update={"response_ids": [*s.response_ids, 1, 1], "logprobs": np.asarray(s.logprobs)}
+        )
+    elif what == "one log-prob for the whole response":
+        s = samples[long_enough]
+        samples[long_enough] = s.model_copy(
+            update={"response_ids": [*s.response_ids, 1, 1], "logprobs": np.asarray([-0.1])}
+        )
+    elif what == "out-of-vocabulary response token":
+        samples[0] = first.model_copy(
+            update={"response_ids": [10_000_000], "logprobs": np.asarray([-0.1], np.float32)}
+        )
+    elif what == "NaN log-prob":
+        samples[0] = first.model_copy(
+            update={"response_ids": [1], "logprobs": np.asarray([np.nan], np.float32)}
+        )
+    elif what == "+inf reward":
+        rewards[0] = float("inf")
+    scored = ScoredGroup(
+        trajectories=traj.model_copy(update={"samples": samples}), rewards=rewards, correct=[True] * n
+    )
+    return decode(encode(ReadyGroup(scored=scored)), ReadyGroup)  # schema-valid on the wire
+
+
+@pytest.mark.timeout(300)
+def test_hostile_ready_groups_for_prompts_in_flight_are_dead_lettered_alone(
+    private_nats: LocalNatsServer, run_id: str, tmp_path: Path
+) -> None:
+    """Each shape that crashed the learner (or trained on a broadcast, or skipped an honest step) arrives on the
+    ready stream before the honest group of a prompt really in flight: it is dead-lettered alone with its
+    reason, the prompt goes out again, the learner never restarts, and every step trains a full batch."""
+    cfg = make_config(private_nats.url, run_id, tmp_path, RUN)
+    run = Run(cfg)
+    reward = run.proc("reward")
+    seen: dict[str, TrajectoryGroup] = {}
+
+    async def attack() -> dict[str, str]:
+        """Watch the trajectories subject (a plain subscription consumes nothing) while reward is down; for
+        the first prompts in flight, publish one hostile ready group each; returns prompt id -> shape."""
+        async with Bus.connect(cfg, name="attacker", ensure=False) as bus:
+            got = asyncio.Event()
+
+            async def on_traj(msg) -> None:
+                traj = decode(msg.data, TrajectoryGroup)
+                if traj.work.split == "train" and len(seen) < len(HOSTILE_READY):
+                    seen.setdefault(traj.work.prompt_id, traj)
+                    if len(seen) == len(HOSTILE_READY):
+                        got.set()
+
+            sub = await bus.nc.subscribe(bus.names.subject(Stage.TRAJECTORIES), cb=on_traj)
+            await asyncio.wait_for(got.wait(), 150)
+            await sub.unsubscribe()
+            sent = {}
+            for (pid, traj), (what, _) in zip(seen.items(), HOSTILE_READY, strict=True):
+                await bus.publish(Stage.READY, _hostile_ready(traj, what), msg_id=f"hostile-{pid}")
+                sent[pid] = what
+            return sent
+
+    async def parked() -> dict[str, str]:
+        async with Bus.connect(cfg, name="inspector", ensure=False) as bus:
+            return {
+                dl.headers.get("Rlbus-Original-Msg-Id", ""): dl.reason
+                for dl in await bus.dead_letters(Stage.READY, limit=50)
+            }
+
+    try:
+        for p in run.procs:
+            if p is not reward:
+                p.start()
+        sent = asyncio.run(attack())
+        reward.start()  # the honest groups follow the hostile ones
+        rc = run.wait_learner(240)
+        assert rc == 0, _logs(run)
+        letters = asyncio.run(parked())
+        fragments = dict(HOSTILE_READY)
+        for pid, what in sent.items():
+            assert fragments[what] in letters.get(f"hostile-{pid}", ""), (what, letters)
+        assert set(letters) == {f"hostile-{pid}" for pid in sent}, "only the hostile groups were parked"
+        ledger = _check_ledger(run)
+        for pid in sent:
+            assert ledger["dropped"][pid] == "refused", (pid, ledger["dropped"].get(pid))
+        rows = run.metrics()
+        assert [r["step"] for r in rows if "actor/grad_norm" in r] == list(range(1, STEPS + 1))
+        assert all(np.isfinite(r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r)
+        learner_log = run.learner.log_path.read_text(errors="replace")
+        assert learner_log.count("ready group refused") == len(sent), learner_log[-3000:]
+        assert "Traceback" not in learner_log, learner_log[-3000:]
+    finally:
+        run.__exit__(None)

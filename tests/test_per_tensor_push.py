@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rlbus.bus import Bus
+from rlbus.bus.roll_call import answer_roll_calls
 from rlbus.config import RlbusConfig
 from rlbus.learner.weight_push import WeightPusher
 from rlbus.logs import get_logger
@@ -72,6 +73,8 @@ async def test_learner_pusher_reaches_a_per_tensor_replica(
             incarnation="a",
         )
     )
+    # the replica process below reads its announcement from a file: the test answers its roll calls for it
+    await answer_roll_calls(bus.nc, bus.names, replica_id, "a", get_logger("test-replica"))
     pusher = WeightPusher(ctx, torch.device("cpu"))
     await pusher.start()
     replica = None

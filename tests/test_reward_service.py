@@ -140,3 +140,86 @@ def test_reward_implementations_swap_while_the_run_is_live(
     # The last steps were scored by the function (it pays 2.0 per right answer, the verifier 1.0).
     late = rows[-1]
     assert late["reward/accuracy"] > 0 and late["reward/mean"] == pytest.approx(2 * late["reward/accuracy"])
+
+
+# ---------------------------------------------------------------- the start-up check and the failure streak
+
+
+def test_a_function_with_the_wrong_signature_is_refused_at_start_with_the_reason() -> None:
+    from rlbus.reward.scorers import RewardFunctionRefused
+
+    with pytest.raises(
+        RewardFunctionRefused,
+        match=r"two_arguments\(prompt.*cannot be called as fn\(prompt, response, meta\)",
+    ):
+        FunctionScorer("reward_fns:two_arguments", timeout_s=10, memory_mb=512)
+    with pytest.raises(RewardFunctionRefused, match="compute_score"):
+        FunctionScorer("reward_fns:verl_style_missing_ground_truth", 10, 512, signature="verl")
+    with pytest.raises(RewardFunctionRefused, match="with lists"):
+        FunctionScorer("reward_fns:two_arguments", 10, 512, manager="batch")
+
+
+def test_the_sample_call_refuses_a_non_reward_and_reports_an_error() -> None:
+    from rlbus.reward.scorers import RewardFunctionRefused
+
+    nothing = FunctionScorer("reward_fns:returns_nothing", timeout_s=10, memory_mb=512)
+    raising = FunctionScorer("reward_fns:always_raises", timeout_s=10, memory_mb=512)
+    good = FunctionScorer("reward_fns:double_score", timeout_s=10, memory_mb=512)
+    batch = FunctionScorer("reward_fns:batch_compute_score", timeout_s=10, memory_mb=512, manager="batch")
+    try:
+        with pytest.raises(RewardFunctionRefused, match="returned None"):
+            nothing.check()
+        assert "user code is broken" in (raising.check() or "")
+        assert good.check() is None
+        assert batch.check() is None
+    finally:
+        for scorer in (nothing, raising, good, batch):
+            scorer.close()
+
+
+def test_the_failure_streak_counts_groups_whose_every_call_failed() -> None:
+    from rlbus.messages import ScoredGroup
+    from rlbus.reward.service import FailureStreak
+
+    def scored(errors: list[str | None]) -> ScoredGroup:
+        return ScoredGroup(
+            trajectories=_group(["46"] * len(errors)),
+            rewards=[0.0] * len(errors),
+            correct=[False] * len(errors),
+            reward_errors=errors,
+        )
+
+    streak = FailureStreak(3)
+    assert not streak.see(scored(["a", "b"]))
+    assert not streak.see(scored(["c", None]))  # one call worked: the streak starts again
+    assert [streak.see(scored(["boom", "boom"])) for _ in range(3)] == [False, False, True]
+    assert streak.first_error == "boom"
+    never = FailureStreak(0)
+    assert not any(never.see(scored(["x"])) for _ in range(50))
+
+
+@pytest.mark.timeout(240)
+def test_a_reward_function_that_always_raises_stops_the_run_with_the_reason(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """It used to end with exit 0 and Reward 0.000: now `rlbus up` stops, the error on the console."""
+    from e2e_utils import rlbus_up
+
+    from rlbus.service import EXIT_REFUSED
+
+    done = rlbus_up(
+        tmp_path,
+        nats_url,
+        run_id,
+        "reward.type=function",
+        "reward.function=reward_fns:always_raises",
+        "reward.max_failed_groups=4",
+        "trainer.total_training_steps=50",
+        "data.train_batch_size=4",
+        "trainer.val_before_train=false",
+        timeout=200,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == EXIT_REFUSED, out[-3000:]
+    assert "4 groups in a row had every reward call fail" in out, out[-3000:]
+    assert "user code is broken" in out, out[-3000:]

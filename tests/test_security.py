@@ -576,3 +576,22 @@ def test_the_source_checker_catches_what_it_should(tmp_path: Path) -> None:
     ):
         assert what in text, (what, text)
     assert len(found) == 7, text  # nothing from the comment, the string, model.eval() or weights_only=True
+
+
+def test_the_shipped_placeholder_token_or_an_empty_secret_is_refused_at_start(tmp_path: Path) -> None:
+    """k8s/secret.yaml ships `change-me-nats-token`: a pod that still has it exits with the refusal code (2)
+    naming bus.token and the fix, before it connects to anything."""
+    shipped = re.search(r"token:\s*(\S+)", (ROOT / "k8s" / "secret.yaml").read_text())
+    assert shipped is not None
+    for env in ({"RLBUS_BUS__TOKEN": shipped.group(1)}, {"RLBUS_BUS__PASSWORD": "  "}):
+        done = subprocess.run(
+            [sys.executable, "-m", "rlbus.cli", "reward"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        key = "bus.token" if "RLBUS_BUS__TOKEN" in env else "bus.password"
+        assert done.returncode == 2, done.stderr
+        assert key in done.stderr and ("placeholder" in done.stderr or "empty" in done.stderr), done.stderr

@@ -139,6 +139,7 @@ async def test_weight_push_through_the_learners_pusher(
     import time
 
     from rlbus.bus import Bus
+    from rlbus.bus.roll_call import answer_roll_calls
     from rlbus.config import RlbusConfig
     from rlbus.learner.weight_push import WeightPusher
     from rlbus.logs import get_logger
@@ -175,6 +176,7 @@ async def test_weight_push_through_the_learners_pusher(
             incarnation="contract",
         )
     )
+    await answer_roll_calls(bus.nc, bus.names, "sglang", "contract", get_logger("test-replica"))
     pusher = WeightPusher(ctx, device)
     await pusher.start()
 

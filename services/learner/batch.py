@@ -95,7 +95,8 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
     resp_mask = resp_mask_long.float()
     bsz, width = resp_mask.shape
     beh = np.zeros((bsz, width), dtype=np.float32)
-    ref = np.zeros((bsz, width), dtype=np.float32) if refs else None
+    # reference rows only when every row has one (a KL term needs them, and admission then demands them)
+    ref = np.zeros((bsz, width), dtype=np.float32) if refs and len(refs) == bsz else None
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         start, end = len(p) - 1, len(p) - 1 + len(r)  # logits at t predict token t+1
         beh[b, start:end] = behaviour[b][: len(r)]

@@ -18,6 +18,7 @@ from rlbus.learner.data import PromptLoader, truncate_prompt
 from rlbus.messages import PromptWork, SamplingParams
 
 DEAD_LETTERED = "dead_lettered"  # a service parked the work on the DLQ: it will never be trained
+REFUSED = "refused"  # its ready group failed the learner's admission: the prompt went out again
 
 
 @dataclass
@@ -116,6 +117,13 @@ class Dispatcher:
         )
         self.id_tag = ""  # per learner attempt ("a1-" after the first): JetStream dedups msg ids for minutes
         self.requeue: deque[int] = deque()  # data indices to dispatch again before new ones (after a resume)
+        self.again: dict[int, int] = {}  # data index -> times it was dispatched again in this attempt
+
+    def dispatch_again(self, index: int) -> None:
+        """The prompt at data position `index` goes out again, before new ones, under a new prompt id (its
+        last group was refused): JetStream would drop a second publish of the same id for minutes."""
+        self.again[index] = self.again.get(index, 0) + 1
+        self.requeue.append(index)
 
     def _next_item(self):
         """The next prompt: a re-dispatch after a resume first, then the loader's order."""
@@ -160,7 +168,8 @@ class Dispatcher:
         return len(works)
 
     def _work(self, item, version: int, step: int) -> PromptWork:
-        prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}"
+        again = self.again.get(item.index, 0)
+        prompt_id = f"{self.cfg.run.id}-{self.id_tag}p{item.index}" + (f"-r{again}" if again else "")
         sampling = self.sampling  # unseeded: replicas batch it with other work
         if self.cfg.rollout.seed_per_prompt:
             sampling = sampling.model_copy(update={"seed": prompt_seed(self.cfg.rollout.seed, item.index)})
@@ -181,24 +190,44 @@ class Dispatcher:
         """Greedy, one sample per prompt, through the same services; returns prompt id -> record index."""
         from rlbus.bus import Stage
 
-        greedy = self.sampling.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
         pending: dict[str, int] = {}
         for i, (prompt, meta) in enumerate(records):
-            prompt_ids = self._prompt_ids(prompt)
             prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}"
-            work = PromptWork(
-                run_id=self.cfg.run.id,
-                prompt_id=prompt_id,
-                index=i,
-                step=step,
-                min_policy_version=version,
-                prompt_ids=prompt_ids,
-                prompt_text=prompt,
-                meta=meta,
-                n=1,
-                sampling=greedy,
-                split="val",
+            await self.bus.publish(
+                Stage.PROMPTS,
+                self._validation_work(prompt_id, i, prompt, meta, version, step),
+                msg_id=prompt_id,
             )
-            await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
             pending[prompt_id] = i
         return pending
+
+    async def dispatch_validation_again(
+        self, records: list, index: int, version: int, step: int, attempt: int
+    ) -> str:
+        """Validation record `index` once more (its answer was refused); returns the new prompt id."""
+        from rlbus.bus import Stage
+
+        prompt, meta = records[index]
+        prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{index}-r{attempt}"
+        work = self._validation_work(prompt_id, index, prompt, meta, version, step)
+        await self.bus.publish(Stage.PROMPTS, work, msg_id=prompt_id)
+        return prompt_id
+
+    def _validation_work(
+        self, prompt_id: str, index: int, prompt: str, meta: dict, version: int, step: int
+    ) -> PromptWork:
+        """Greedy, one sample, at the learner's version."""
+        greedy = self.sampling.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
+        return PromptWork(
+            run_id=self.cfg.run.id,
+            prompt_id=prompt_id,
+            index=index,
+            step=step,
+            min_policy_version=version,
+            prompt_ids=self._prompt_ids(prompt),
+            prompt_text=prompt,
+            meta=meta,
+            n=1,
+            sampling=greedy,
+            split="val",
+        )

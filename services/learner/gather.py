@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlbus.config import RlbusConfig
-from rlbus.learner.dispatch import Dispatcher, Ledger
+from rlbus.learner.admission import ReadyLimits, rejection
+from rlbus.learner.dispatch import REFUSED, Dispatcher, Ledger
 from rlbus.learner.weight_push import WeightPusher
 from rlbus.messages import ReadyGroup
 from rlbus.notices import post_notice
@@ -100,6 +101,8 @@ class GatherHost(Protocol):
     dispatcher: Dispatcher
     pusher: WeightPusher
     forced_push_at: float
+    limits: ReadyLimits
+    val_records: list
 
     def named_weights(self) -> Iterator[tuple[str, Any]]: ...
 
@@ -116,6 +119,9 @@ class Gatherer:
         self.consumer = consumer
         self.overflow: list = []  # ready groups received while a full batch waited for validation
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
+        self.val_step = 0  # the step the pending validation was started at
+        self.val_again = 0  # validation prompts dispatched again (their answer was refused)
+        self.refused = 0  # ready groups dead-lettered by admission (for metrics)
         self.val_results: list[tuple[float, bool, int]] = []
         self.weights_behind = False  # a group came from weights this learner never made: push ours
         self._refused_said: set[str] = set()
@@ -129,12 +135,23 @@ class Gatherer:
         group: ReadyGroup = d.message
         pid = group.scored.trajectories.work.prompt_id
         ledger = learner.ledger
+        known = pid in ledger.dispatched and ledger.dropped.get(pid) != "resumed"
+        settled_or_batched = ledger.is_settled(pid) or any(
+            pid == b.message.scored.trajectories.work.prompt_id for b in batch
+        )
+        expected_index = self.val_pending.get(pid) if group.scored.trajectories.work.split == "val" else None
+        if expected_index is None and known and not settled_or_batched:
+            expected_index = ledger.dispatched[pid]
+        if expected_index is not None:  # this group would be used: check it first
+            reason = rejection(group, learner.limits, expected_index)
+            if reason is not None:
+                await self._refuse(d, pid, reason)
+                return
         where = route(
             group,
             version=learner.version,
-            known=pid in ledger.dispatched and ledger.dropped.get(pid) != "resumed",
-            settled_or_batched=ledger.is_settled(pid)
-            or any(pid == b.message.scored.trajectories.work.prompt_id for b in batch),
+            known=known,
+            settled_or_batched=settled_or_batched,
             async_level=learner.cfg.trainer.async_level,
             dynamic_sampling=learner.cfg.algorithm.dynamic_sampling,
             batch_full=len(batch) >= need,
@@ -159,6 +176,26 @@ class Gatherer:
             self.overflow.append(d)
         else:
             batch.append(d)
+
+    async def _refuse(self, d: Any, pid: str, reason: str) -> None:
+        """A group that failed admission: dead-lettered alone with `reason`, its prompt dispatched again
+        under a new id (the honest group, if it still comes, meets a settled id and is acked unused)."""
+        learner = self.learner
+        self.refused += 1
+        if pid in self.val_pending:
+            index = self.val_pending.pop(pid)
+            self.val_again += 1
+            again = await learner.dispatcher.dispatch_validation_again(
+                learner.val_records, index, learner.version, self.val_step, self.val_again
+            )
+            self.val_pending[again] = index
+        else:
+            learner.ledger.dropped[pid] = REFUSED  # before the dead letter: its echo finds it settled
+            learner.dispatcher.dispatch_again(learner.ledger.dispatched[pid])
+        learner.ctx.log.warning(
+            "ready group refused; its prompt goes out again", prompt_id=pid, reason=reason
+        )
+        await d.dead_letter(f"refused by the learner: {reason}")
 
     async def gather(self, step: int, need: int) -> list:
         """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked.

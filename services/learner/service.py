@@ -11,7 +11,7 @@ import numpy as np
 
 from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
-from rlbus.learner.dispatch import DEAD_LETTERED, Dispatcher, Ledger
+from rlbus.learner.dispatch import DEAD_LETTERED, REFUSED, Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
@@ -46,6 +46,7 @@ def batch_metrics(groups: list[ReadyGroup], version: int) -> dict[str, float]:
         "reward/std": float(rewards.std()),
         "reward/accuracy": float(correct.mean()),
         "reward/errors": float(errors),
+        "reward/error_rate": float(errors / max(len(rewards), 1)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/clip_frac": float(
@@ -104,6 +105,10 @@ class Learner:
         records = prepare_prompts(load_split(cfg.data, "train"), self.tokenizer, cfg.data, "train")
         self.val_records = prepare_prompts(load_split(cfg.data, "val"), self.tokenizer, cfg.data, "val")
         check_scorers(records + self.val_records, cfg.reward.type)
+        from rlbus.learner.admission import ready_limits
+        from rlbus.modeling import model_vocab_size
+
+        self.limits = ready_limits(cfg, model_vocab_size(model_path, cfg.model.trust_remote_code))
         self.loader = PromptLoader(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.total_steps = total_steps(cfg, len(records))
         device = pick_device(cfg.trainer.device)
@@ -237,7 +242,7 @@ class Learner:
         if self.val_records:
             g = self.gatherer
             g.val_pending = await self.dispatcher.dispatch_validation(self.val_records, self.version, step)
-            g.val_results = []
+            g.val_results, g.val_step = [], step
 
     async def run(self) -> int:
         from rlbus.learner.batch import collate
@@ -349,6 +354,7 @@ class Learner:
             "prompts/trained": float(len(ledger.trained)),
             "prompts/leftovers": float(ledger.leftovers),
             "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
+            "prompts/refused": float(ledger.dropped_count(REFUSED)),
         }
 
     async def validate_only(self) -> int:

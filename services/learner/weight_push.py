@@ -18,17 +18,27 @@ import ipaddress
 import re
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
 
 from rlbus.learner.per_tensor_push import PerTensorPush
-from rlbus.messages import IpcBuffer, TensorGroup, WeightAck, WeightAnnouncement, decode, encode
+from rlbus.learner.push_members import PushMembership
+from rlbus.messages import (
+    IpcBuffer,
+    TensorGroup,
+    WeightAck,
+    WeightAnnouncement,
+    decode,
+    encode,
+)
 from rlbus.service import ServiceContext
 from rlbus.weight_ipc import IpcWeightSender
 from rlbus.weight_sync import (
     Backend,
+    RendezvousTimeout,
     SendPlan,
     WeightSender,
     WeightSyncError,
@@ -101,10 +111,10 @@ class WeightPusher:
         self.port = 0
         self.streaks: dict[str, tuple[str, int]] = {}  # path (group | ipc) -> (failure kind, times in a row)
         self.refused: dict[str, str] = {}  # replica id -> why its placement cannot work
-        # replica id -> wall time of a push it was part of that failed: it joins again only with a heartbeat
-        # stamped after that (a dead process never beats again; a live one beats within HEARTBEAT_INTERVAL_S)
-        self.suspects: dict[str, float] = {}
+        # who may take a push: replicas that answer a roll call; suspects wait out a backoff (in the run's KV)
+        self.membership = PushMembership(ctx, cfg.trainer.weight_join_window_s, self.timeout_s)
         self.incarnations: dict[str, str] = {}  # replica id -> incarnation, of the last good push
+        self.incarnations_now: dict[str, str] = {}  # the same, of the push under way
         # replica id -> transport of the last good push; None = the next push forms a new epoch
         self.transports: dict[str, Transport] | None = None
         self._acks: asyncio.Queue[WeightAck] = asyncio.Queue()
@@ -123,6 +133,7 @@ class WeightPusher:
                 self.ctx.log.warning("bad weight ack", error=str(exc))
 
         self._sub = await self.ctx.bus.nc.subscribe(self.ctx.bus.names.weight_ack, cb=on_ack)
+        await self.membership.load()
 
     @property
     def status(self) -> str:
@@ -133,11 +144,12 @@ class WeightPusher:
         return f"weight push failed {count}x in a row (stops at {self.max_failures}): {kind}"
 
     async def live_replicas(self) -> dict[str, LiveReplica]:
-        """Replicas whose heartbeat is fresh and ready, with where they keep their weights."""
+        """Replicas whose heartbeat is fresh and ready (and whose placement can work), with where they keep
+        their weights. A heartbeat is a claim, not evidence: `_members` calls them to the roll."""
         beats = await self.ctx.state.live("rollout", self.ctx.cfg.trainer.replica_timeout_s)
         live = {}
         for hb in beats:
-            if hb.status != "ready" or not self._cleared(hb.instance_id, hb.time):
+            if hb.status != "ready" or hb.instance_id in self.refused:
                 continue
             live[hb.instance_id] = LiveReplica(
                 int(hb.stats.get("weight_ranks", 1) or 1),
@@ -155,24 +167,20 @@ class WeightPusher:
             rid: live[rid].incarnation for rid in transports
         }
 
-    def _cleared(self, replica_id: str, beat_time: float) -> bool:
-        """False while `replica_id` is suspected of breaking a push and has not heartbeat since."""
-        failed_at = self.suspects.get(replica_id)
-        if failed_at is None:
-            return True
-        if beat_time > failed_at:
-            del self.suspects[replica_id]
-            self.ctx.log.info(
-                "replica heartbeat after the failed push; it may join again", replica=replica_id
-            )
-            return True
-        return False
+    @staticmethod
+    def _incarnations(live: dict[str, LiveReplica]) -> dict[str, str]:
+        return {rid: rep.incarnation for rid, rep in live.items()}
 
-    def _suspect(self, replica_ids) -> None:
-        """The members of a failed push sit out the next one until each proves it is alive."""
-        now = time.time()
-        for rid in replica_ids:
-            self.suspects[rid] = now
+    async def _members(self, live: dict[str, LiveReplica]) -> dict[str, LiveReplica]:
+        """The live replicas that earned a place in the next push (rlbus.learner.push_members)."""
+        last = None if self.transports is None else self.incarnations
+        members = await self.membership.admit(self._incarnations(live), last)
+        return {rid: live[rid] for rid in members if rid in live}
+
+    async def _blame(self, members: Iterable[str], to_blame: Iterable[str] | None, reason: str) -> None:
+        """A push to `members` failed: the membership records who to blame (None: it cannot be told)."""
+        incs = {rid: self.incarnations_now.get(rid, "") for rid in members}
+        await self.membership.failed(incs, to_blame, failure_kind(reason))
 
     def _assign(self, live: dict[str, LiveReplica]) -> dict[str, Transport]:
         """Transport per replica; a replica whose placement cannot work is left out, once said why."""
@@ -192,7 +200,8 @@ class WeightPusher:
 
     async def push(self, named_weights, version: int) -> bool:
         """Sends `version` to every live replica. Returns False (and logs why) when the push failed."""
-        live = await self.live_replicas()
+        live = await self._members(await self.live_replicas())
+        self.incarnations_now = self._incarnations(live)
         transports = self._assign(live)
         if not transports:
             self.transports, self.ranks, self.incarnations = {}, {}, {}
@@ -235,21 +244,22 @@ class WeightPusher:
         if ipc_ids:  # their acks are collected before the next refill, not here: the step goes on meanwhile
             self._acks_due = (version, self.epoch, set(ipc_ids))
         if group_ids:
-            error = await self._send_group(named_weights, plan, port, world, new_group)
+            error, missing = await self._send_group(named_weights, plan, port, world, new_group)
             if error:
                 self.transports = None
-                self._suspect(group_ids)
+                await self._blame(group_ids, self._holders(ranks, live, missing), error)
                 return self._failed(version, error, "group")
             self.streaks.pop("group", None)
         if tensor_group is not None:
             error = await self.per_tensor.send(tensor_group, self.epoch, named_weights)
             if error:
                 self.transports = None
-                self._suspect(tensor_ids)
+                await self._blame(tensor_ids, None, error)
                 return self._failed(version, error, "tensor")
             self.streaks.pop("tensor", None)
         self.transports, self.ranks = transports, ranks
         self.incarnations = {rid: live[rid].incarnation for rid in transports}
+        await self.membership.succeeded(group_ids + tensor_ids)
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
@@ -334,7 +344,21 @@ class WeightPusher:
         assert self.sender is not None  # made above for the group
         return self.sender.plan(named_weights()), None
 
-    async def _send_group(self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool) -> str:
+    @staticmethod
+    def _holders(
+        ranks: dict[str, int], live: dict[str, LiveReplica], missing: tuple[int, ...] | None
+    ) -> list[str] | None:
+        """The replicas holding the group ranks that missed the rendezvous (None: it cannot be told who)."""
+        if not missing:
+            return None
+        return sorted(
+            rid for rid, first in ranks.items() if any(first <= r < first + live[rid].ranks for r in missing)
+        )
+
+    async def _send_group(
+        self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool
+    ) -> tuple[str, tuple[int, ...] | None]:
+        """(error, ranks missing at the rendezvous); ("", None) when the group took the push."""
         assert self.sender is not None
         try:
             if new_group:
@@ -343,10 +367,13 @@ class WeightPusher:
                 )
                 await asyncio.to_thread(self.sender.open, port, world, self.epoch)
             await asyncio.to_thread(self.sender.send, named_weights(), plan)
+        except RendezvousTimeout as exc:
+            self.sender.close()
+            return str(exc), exc.missing
         except WeightSyncError as exc:
             self.sender.close()
-            return str(exc)
-        return ""
+            return str(exc), None
+        return "", None
 
     async def _settle_acks(self) -> None:
         """Acks of the last CUDA IPC push. A replica that read a bad copy or stayed silent makes that push a
@@ -354,14 +381,17 @@ class WeightPusher:
         if self._acks_due is None:
             return
         version, epoch, waiting = self._acks_due
+        waiting_all = set(waiting)
         self._acks_due = None
         error = await self._wait_acks(waiting, version, epoch)
         if error:
             self.transports = None
-            self._suspect(waiting)  # the silent ones (a reader that answered "bad copy" is alive)
+            # the silent ones get a strike (a reader that answered "bad copy" is alive)
+            await self._blame(waiting_all, waiting, error)
             self._failed(version, error, "ipc")
         else:
             self.streaks.pop("ipc", None)
+            await self.membership.succeeded(waiting_all)
 
     async def _wait_acks(self, waiting: set[str], version: int, epoch: int) -> str:
         """Every IPC replica's ack for this version; a silent one fails the push after the push timeout."""
@@ -410,7 +440,8 @@ class WeightPusher:
     async def maintain(self, named_weights, version: int) -> None:
         """Called while waiting for data: serve late joiners and retry failed pushes."""
         replicas = await self.live_replicas()
-        same = self._same_members(self._assign(replicas), replicas)
+        last = None if self.transports is None else self.incarnations
+        same = self.membership.plan(self._incarnations(replicas), last).keep
         if version == 0:
             # Everyone starts from the same checkpoint on disk: nothing to send yet.
             self.transports = self.transports if same else None

@@ -20,12 +20,13 @@ def resolve_callable(spec: str) -> Any:
 
 
 def uses_verl_signature(fn: Any) -> bool:
-    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None), or its batch manager's
+    (data_sources, solution_strs, ground_truths, extra_infos)."""
     try:
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return False
-    return bool(params) and params[0] == "data_source"
+    return bool(params) and params[0] in ("data_source", "data_sources")
 
 
 def _limit_memory(memory_mb: int) -> None:

@@ -72,6 +72,22 @@ class TaskScorer(PerItemScorer):
         return self._tasks[key].score(response, meta)
 
 
+class RewardFunctionRefused(ValueError):
+    """The user's function cannot serve: wrong signature, or a return value that is not a reward."""
+
+
+# One sample in each calling convention, for the start-up check (a gsm8k-style row, as verl's examples have);
+# extra_info says it is the probe, for functions that record their calls.
+SAMPLE_PROMPT = "Natalia sold 48 clips in April and half as many in May. How many clips did she sell?"
+SAMPLE_RESPONSE = "In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all. #### 72"
+SAMPLE_META: dict[str, Any] = {
+    "data_source": "openai/gsm8k",
+    "ground_truth": "72",
+    "answer": "72",
+    "extra_info": {"split": "train", "index": 0, "rlbus_probe": True},
+}
+
+
 class FunctionScorer:
     """A user function, run in a sandboxed child process: ours, fn(prompt, response, meta), or verl's
     compute_score(data_source, solution_str, ground_truth, extra_info) fed from the row's own fields."""
@@ -85,7 +101,71 @@ class FunctionScorer:
         self.verl = signature == "verl" or (signature == "auto" and uses_verl_signature(fn))
         self.batched = manager == "batch"
         self.name = f"function:{spec}"
+        self.spec = spec
+        self._check_signature(fn)
         self._sandbox = Sandbox(spec, timeout_s, memory_mb)
+
+    def _sample_args(self) -> tuple[Any, ...]:
+        meta = SAMPLE_META
+        if self.verl:
+            one: tuple[Any, ...] = (
+                meta["data_source"],
+                SAMPLE_RESPONSE,
+                meta["ground_truth"],
+                meta["extra_info"],
+            )
+        else:
+            one = (SAMPLE_PROMPT, SAMPLE_RESPONSE, dict(meta))
+        return tuple([a] for a in one) if self.batched else one
+
+    def _check_signature(self, fn: Any) -> None:
+        """The call this scorer will make must bind to the function's parameters."""
+        import inspect
+
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return  # a builtin or C callable: the sample call below tells
+        try:
+            sig.bind(*self._sample_args())
+        except TypeError as exc:
+            style = (
+                "verl's compute_score(data_source, solution_str, ground_truth, extra_info)"
+                if self.verl
+                else ("fn(prompt, response, meta)")
+            )
+            raise RewardFunctionRefused(
+                f"reward.function={self.spec}{sig} cannot be called as {style}"
+                f"{' with lists (reward.manager=batch)' if self.batched else ''}: {exc}; "
+                "fix its parameters or set reward.signature"
+            ) from None
+
+    def check(self) -> str | None:
+        """Call the function once on a built-in sample, in its sandbox, before serving. A call that cannot bind
+        or a value that is not a reward raises RewardFunctionRefused; any other error is returned (the
+        function may need fields of the user's own rows) for the service to warn about."""
+        args = self._sample_args()
+        try:
+            out = self._sandbox.call(*args)
+        except TypeError as exc:
+            raise RewardFunctionRefused(
+                f"reward.function={self.spec} failed on a sample call: {exc}"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - user code: report, the service decides
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            if self.batched:
+                if not isinstance(out, list | tuple) or len(out) != 1:
+                    raise TypeError(f"returned {type(out).__name__}, not a list of 1 score for 1 response")
+                _as_reward(out[0])
+            else:
+                _as_reward(out)
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise RewardFunctionRefused(
+                f"reward.function={self.spec} returned {out!r:.200} on a sample call, which is not a reward "
+                f"({exc}); return a number, (reward, correct), or {{'score': x}}"
+            ) from None
+        return None
 
     def score_batch(self, items: list[Item]) -> list[tuple[float, bool]]:
         """verl's batch manager: compute_score(data_sources, solution_strs, ground_truths, extra_infos) with

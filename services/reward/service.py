@@ -13,6 +13,30 @@ from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
 FETCH_BATCH = 16
 
 
+class RewardBroken(RuntimeError):
+    """`reward.max_failed_groups` groups in a row had every reward call fail."""
+
+
+class FailureStreak:
+    """Counts groups in a row whose every sample's reward call failed; says when there were too many."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.first_error = ""
+
+    def see(self, scored: ScoredGroup) -> bool:
+        """Count one scored group; True when the streak reached the limit."""
+        errors = scored.reward_errors
+        if errors and all(e is not None for e in errors):
+            if self.count == 0:
+                self.first_error = str(errors[0])
+            self.count += 1
+        else:
+            self.count = 0
+        return self.limit > 0 and self.count >= self.limit
+
+
 def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
@@ -82,17 +106,20 @@ async def _publish_scored(
 
 async def reward_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
+    from rlbus.notices import post_notice
     from rlbus.reward.scorers import build_scorer
 
     cfg = ctx.cfg
     try:
         scorer = build_scorer(cfg.reward, cfg.reward_model, cfg.model.trust_remote_code)
+        problem = await asyncio.to_thread(scorer.check) if hasattr(scorer, "check") else None
     except ValueError as exc:  # a reward that cannot load: one clear error, not a restart loop
-        from rlbus.notices import post_notice
-
         ctx.log.error("reward implementation cannot load", reason=str(exc))
         post_notice(ctx.run_dir, "reward", f"refused: {exc}")
         return EXIT_REFUSED
+    if problem:
+        ctx.log.warning("reward function raised on a built-in sample; serving anyway", error=problem)
+        post_notice(ctx.run_dir, "reward", f"reward.function raised on a built-in sample: {problem}")
     out_stage = Stage.SCORED if cfg.needs_ref else Stage.READY
     consumer = await ctx.bus.consumer(
         Stage.TRAJECTORIES,
@@ -104,31 +131,56 @@ async def reward_loop(ctx: ServiceContext) -> int:
     keepalive_s = keepalive_every(cfg.bus.ack_wait_s)
     ctx.mark_ready()
     ctx.stats.update(groups=0, samples=0, errors=0)
-    while not ctx.stop.is_set():
-        deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)
-        async with kept_alive(deliveries, keepalive_s):  # the fetch's later items wait their turn
-            await _score_and_publish(ctx, scorer, deliveries, out_stage)
-        ctx.stats["dead_letters"] = float(getattr(consumer, "dead_letters", 0))
-    if hasattr(scorer, "close"):
-        scorer.close()
+    streak = FailureStreak(cfg.reward.max_failed_groups)
+    try:
+        while not ctx.stop.is_set():
+            deliveries = await consumer.fetch(batch=FETCH_BATCH, timeout=1.0)
+            async with kept_alive(deliveries, keepalive_s):  # the fetch's later items wait their turn
+                await _score_and_publish(ctx, scorer, deliveries, out_stage, streak)
+            ctx.stats["dead_letters"] = float(getattr(consumer, "dead_letters", 0))
+    except RewardBroken as exc:
+        ctx.log.error("reward keeps failing; stopping the run", reason=str(exc))
+        post_notice(ctx.run_dir, "reward", f"stopped: {exc}")
+        return EXIT_REFUSED
+    finally:
+        if hasattr(scorer, "close"):
+            scorer.close()
     return 0
 
 
-async def _score_and_publish(ctx: ServiceContext, scorer, deliveries: list, out_stage) -> None:
+async def _score_and_publish(
+    ctx: ServiceContext, scorer, deliveries: list, out_stage, streak: FailureStreak | None = None
+) -> None:
     """A batched scorer (reward model, batch manager) takes the whole fetch in one call, and a fast one (the
     built-in verifiers) scores it in one thread hand-off (each hand-off wakes the loop: ~0.3 ms of CPU on
     the 2-core box); any other scores one group at a time, so a slow function never holds the others' acks.
     A scored group is published and acked while the next is scored: those round trips overlap."""
     whole_fetch = (getattr(scorer, "batched", False) or getattr(scorer, "fast", False)) and deliveries
+    chunks = [deliveries] if whole_fetch else [[d] for d in deliveries]
+    broken: RewardBroken | None = None
     async with asyncio.TaskGroup() as handing_on:
-        for chunk in [deliveries] if whole_fetch else [[d] for d in deliveries]:
+        for c, chunk in enumerate(chunks):
             t0 = time.perf_counter()
             scored_groups = await asyncio.to_thread(
                 score_groups, scorer, [d.message for d in chunk], ctx.cfg.reward.on_error_score
             )
             seconds = (time.perf_counter() - t0) / len(chunk)
-            for d, scored in zip(chunk, scored_groups, strict=True):
+            for i, (d, scored) in enumerate(zip(chunk, scored_groups, strict=True)):
+                if streak is not None and streak.see(scored):
+                    broken = RewardBroken(
+                        f"{streak.count} groups in a row had every reward call fail "
+                        f"(reward.max_failed_groups={streak.limit}); first error: {streak.first_error}; "
+                        f"fix reward.function ({getattr(scorer, 'name', '?')}) and start the reward service again"
+                    )
+                    # this group and the unscored rest go back, for the reward service that replaces us
+                    for held in [*chunk[i:], *(d for later in chunks[c + 1 :] for d in later)]:
+                        await held.nak()
+                    break
                 handing_on.create_task(_publish_scored(ctx, d, scored, seconds, out_stage))
+            if broken is not None:
+                break
+    if broken is not None:
+        raise broken
 
 
 def run_reward(cfg: RlbusConfig, instance_id: str | None = None) -> int:

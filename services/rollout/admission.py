@@ -28,12 +28,10 @@ class RequestLimits:
 
 def limits_for(cfg: RlbusConfig, model_path: str | Path) -> RequestLimits:
     """The run's bounds: the model's embedding size, the configured lengths, the largest group it dispatches."""
-    from transformers import AutoConfig
+    from rlbus.modeling import model_vocab_size
 
-    config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=cfg.model.trust_remote_code)
-    text = getattr(config, "get_text_config", lambda: config)()
     return RequestLimits(
-        vocab_size=int(text.vocab_size),
+        vocab_size=model_vocab_size(model_path, cfg.model.trust_remote_code),
         max_prompt_tokens=cfg.data.max_prompt_length + TEMPLATE_ALLOWANCE_TOKENS,
         max_new_tokens=cfg.data.max_response_length,
         max_samples=max(cfg.rollout.n, 1),

@@ -12,7 +12,15 @@ import time
 
 from rlbus.bus.keepalive import held_work_ack_wait, keepalive_every, kept_alive
 from rlbus.config import RlbusConfig
-from rlbus.messages import PromptWork, Sample, TrajectoryGroup, WeightAck, WeightAnnouncement, decode, encode
+from rlbus.messages import (
+    PromptWork,
+    Sample,
+    TrajectoryGroup,
+    WeightAck,
+    WeightAnnouncement,
+    decode,
+    encode,
+)
 from rlbus.service import ServiceContext, run_service
 
 
@@ -108,6 +116,14 @@ class Replica:
                 epoch=ann.epoch,
                 seconds=round(self.ctx.stats["weight_recv_s"], 3),
             )
+
+    async def answer_roll_calls(self) -> None:
+        """Answer the learner's roll calls: a weight group takes only replicas that answer, so a heartbeat
+        alone (a forged one, or a dead process's last) never holds a push up."""
+        from rlbus.bus.roll_call import answer_roll_calls
+
+        bus = self.ctx.bus
+        await answer_roll_calls(bus.nc, bus.names, self.ctx.instance_id, self.ctx.incarnation, self.ctx.log)
 
     async def _superseded(self, key: tuple[int, int]) -> bool:
         """Whether the current announcement is newer than `key` (this one waited behind a long receive, or
@@ -296,6 +312,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     )
     ctx.device = engine.weight_place or str(device_place(engine.weight_device))
     weights = asyncio.create_task(replica.weight_loop())
+    await replica.answer_roll_calls()
     consumer = await ctx.bus.consumer(
         Stage.PROMPTS,
         durable="rollout",

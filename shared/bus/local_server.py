@@ -283,7 +283,17 @@ def resolve_bus_url(cfg: BusConfig, run_dir: str | Path) -> tuple[str, LocalNats
         return cfg.url, None
     if jetstream_server_at("127.0.0.1", 4222):
         return DEFAULT_URL, None
+    return start_run_server(cfg, run_dir)
+
+
+def start_run_server(
+    cfg: BusConfig, run_dir: str | Path, authorization: str = ""
+) -> tuple[str, LocalNatsServer]:
+    """A server of the run's own (storage in `<run_dir>/nats`, so a resumed run finds its streams)."""
     server = LocalNatsServer(
-        Path(run_dir) / "nats", port=cfg.local_port, max_payload_bytes=cfg.max_payload_bytes
+        Path(run_dir) / "nats",
+        port=cfg.local_port,
+        max_payload_bytes=cfg.max_payload_bytes,
+        extra_config=authorization,
     ).start()
     return server.url, server

@@ -30,6 +30,11 @@ ANNOUNCE_KEY = "weights.announce"
 HEARTBEAT_PREFIX = "hb"
 FACT_PREFIX = "fact"
 _SCAN_TIMEOUT_S = 5.0
+# A scan is an ephemeral consumer; the server reaps one this long after its reader went (nats-py's default is
+# 5 min: a learner scanning at every push of a fast run piled up a thousand and hit the consumer limit).
+_SCAN_REAP_S = 5.0
+# Heartbeats beat every 2 s: a scan younger than this is as good as a new one (and costs the server nothing).
+SCAN_REUSE_S = 0.5
 T = TypeVar("T")
 
 
@@ -40,6 +45,7 @@ class RunState:
         self.kv = kv
         self.names = names
         self.nc = nc  # its disconnects end a request at once (rlbus.bus.disconnects)
+        self._scans: dict[str, tuple[float, list[tuple[str, bytes]]]] = {}  # pattern -> (when, result)
 
     async def _retry(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         return await with_retry(what, fn, nc=self.nc)
@@ -150,14 +156,22 @@ class RunState:
 
     async def heartbeat(self, hb: Heartbeat) -> int:
         """Publish a service instance's heartbeat under `hb.<service>.<instance>`."""
+        self._scans.clear()  # our own writes are seen by our next scan
         return await self.kv.put(self._hb_key(hb.service, hb.instance_id), encode(hb))
 
     async def _scan(self, pattern: str) -> list[tuple[str, bytes]]:
-        """Current (key, value) pairs matching a KV key pattern (retried through a reconnect)."""
-        return await self._retry(f"kv scan {pattern}", lambda: self._scan_once(pattern))
+        """Current (key, value) pairs matching a KV key pattern (retried through a reconnect); a scan of the
+        same pattern made less than SCAN_REUSE_S ago is reused."""
+        now = time.monotonic()
+        cached = self._scans.get(pattern)
+        if cached is not None and now - cached[0] < SCAN_REUSE_S:
+            return cached[1]
+        found = await self._retry(f"kv scan {pattern}", lambda: self._scan_once(pattern))
+        self._scans[pattern] = (time.monotonic(), found)
+        return found
 
     async def _scan_once(self, pattern: str) -> list[tuple[str, bytes]]:
-        watcher = await self.kv.watch(pattern, ignore_deletes=True)
+        watcher = await self.kv.watch(pattern, ignore_deletes=True, inactive_threshold=_SCAN_REAP_S)
         out: list[tuple[str, bytes]] = []
         try:
             while True:
@@ -194,6 +208,7 @@ class RunState:
 
     async def remove(self, service: str, instance: str) -> None:
         """Forget an instance (clean shutdown, or a replica declared dead)."""
+        self._scans.clear()
         try:
             await self.kv.purge(self._hb_key(service, instance))
         except (KeyNotFoundError, NotFoundError):

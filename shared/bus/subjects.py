@@ -57,6 +57,11 @@ class RunNames:
         """Core-NATS subject of CUDA IPC replicas' per-version acks (only the waiting push cares)."""
         return f"{self.prefix}.weights.ack"
 
+    @property
+    def weight_join(self) -> str:
+        """Core-NATS subject of the learner's roll calls (rlbus.messages.JoinCall); answers go to its inbox."""
+        return f"{self.prefix}.weights.join"
+
     def dlq_subject(self, stage: Stage | str) -> str:
         return f"{self.prefix}.dlq.{Stage(stage).value}"
 

@@ -248,6 +248,12 @@ class RewardConfig(Section):
     memory_limit_mb: int = Field(
         1024, ge=16, description="address-space limit of the sandbox that runs user reward functions"
     )
+    max_failed_groups: int = Field(
+        20,
+        ge=0,
+        description="this many groups in a row whose every reward call failed stop the run with the first "
+        "error (0: never; each failed sample still scores on_error_score)",
+    )
 
     @model_validator(mode="after")
     def _needs_target(self) -> RewardConfig:
@@ -299,6 +305,9 @@ class RefConfig(Section):
     model_path: Path | None = Field(None, description="None = the policy's initial weights")
 
 
+PLACEHOLDER_SECRET_PREFIX = "change-me"  # k8s/secret.yaml ships one: refused wherever it arrives
+
+
 class BusConfig(Section):
     url: str | None = Field(
         None, description="nats:// URL; None = use 127.0.0.1:4222 if it answers, else start one"
@@ -310,6 +319,12 @@ class BusConfig(Section):
     max_deliver: int = Field(5, ge=1, description="deliveries before a work item is dead-lettered")
     max_payload_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="max_payload for a server rlbus starts"
+    )
+    roles: bool = Field(
+        True,
+        description="with no bus.url, `rlbus up` starts its own NATS server with one user per process, each "
+        "allowed to publish only what its role publishes (rlbus.bus.roles); false: use an open server on "
+        "127.0.0.1:4222 when one answers, as any client may",
     )
     user: str | None = Field(None, description="NATS user (with bus.password)")
     password: str | None = Field(None, description="NATS password")
@@ -324,6 +339,21 @@ class BusConfig(Section):
         "file",
         description="JetStream storage of the run's streams: file (survives a server restart) or memory",
     )
+
+    @field_validator("token", "password")
+    @classmethod
+    def _no_placeholder_secret(cls, value: str | None) -> str | None:
+        """A shipped placeholder (k8s/secret.yaml's) or an empty secret is no secret: anyone can guess it."""
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("is empty; unset it, or set a real secret (e.g. `openssl rand -hex 24`)")
+        if value.strip().lower().startswith(PLACEHOLDER_SECRET_PREFIX):
+            raise ValueError(
+                f"is the placeholder {value!r} shipped in k8s/secret.yaml; replace it with a real secret "
+                '(kubectl -n rlbus create secret generic rlbus-nats --from-literal=token="$(openssl rand -hex 24)")'
+            )
+        return value
 
 
 class LoggingConfig(Section):

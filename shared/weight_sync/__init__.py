@@ -21,7 +21,7 @@ Modules: `plan` (metadata, buckets, checksum), `wire` (one bucket's bytes), `gro
 `sender` and `receiver` (the two ends of a push), `errors`.
 """
 
-from rlbus.weight_sync.errors import WeightSyncError
+from rlbus.weight_sync.errors import RendezvousTimeout, WeightSyncError
 from rlbus.weight_sync.group import Backend, WeightGroup, free_port
 from rlbus.weight_sync.plan import (
     ALIGN,
@@ -49,6 +49,7 @@ __all__ = [
     "WeightGroup",
     "WeightReceiver",
     "WeightSender",
+    "RendezvousTimeout",
     "WeightSyncError",
     "bucket_layout",
     "checksums_match",

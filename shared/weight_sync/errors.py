@@ -7,6 +7,15 @@ class WeightSyncError(RuntimeError):
     """Any failure of a weight push: rendezvous timeout, dead peer, corrupt or mismatched data."""
 
 
+class RendezvousTimeout(WeightSyncError):
+    """Not every rank reached the group's rendezvous in time; `missing` names the ranks that did not (empty
+    when the master itself was unreachable)."""
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 class _SenderAborted(WeightSyncError):
     """The sender marked the bucket ABORT and stopped the push there: nothing left to drain."""
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, NoReturn, cast
 import torch
 import torch.distributed as dist
 
-from rlbus.weight_sync.errors import WeightSyncError
+from rlbus.weight_sync.errors import RendezvousTimeout, WeightSyncError
 from rlbus.weight_sync.wire import _CONTROL_LEN
 
 Backend = Literal["gloo", "nccl"]
@@ -273,7 +273,9 @@ class WeightGroup:
             except Exception:  # noqa: BLE001 - the master may be gone
                 missing = []
             who = f"ranks {missing}" if missing else "the master (rank 0)"
-            raise WeightSyncError(f"rank {rank}: rendezvous timed out waiting for {who} at {where}") from exc
+            raise RendezvousTimeout(
+                f"rank {rank}: rendezvous timed out waiting for {who} at {where}", tuple(missing)
+            ) from exc
 
     @staticmethod
     def _make_gloo(store: dist.Store, rank: int, world: int, timeout_s: float, addr: str, port: int) -> Any:
