@@ -49,3 +49,13 @@ def returns_nothing(prompt: str, response: str, meta: dict) -> None:
 
 def verl_style_missing_ground_truth(data_source, solution_str):
     return 0.0
+
+
+def flaky_addition(prompt: str, response: str, meta: dict) -> tuple[float, bool]:
+    """The addition verifier, but it raises on about 10% of its inputs (which ones depends on the text only)."""
+    import zlib
+
+    if zlib.crc32(f"{prompt}|{response}".encode()) % 10 == 0:
+        raise RuntimeError("flaky reward function")
+    ok = response.strip() == str(meta.get("answer"))
+    return float(ok), ok

@@ -40,7 +40,7 @@ def _as(cfg: RlbusConfig, user) -> RlbusConfig:
 async def _refused_publish(bus: Bus, subject: str, data: bytes) -> bool:
     """True when the server refused the publish (no ack comes back: the permission violation dropped it)."""
     try:
-        await bus.js.publish(subject, data, timeout=1.5)
+        await bus.js.publish(subject, data, timeout=0.7)
     except Exception:  # noqa: BLE001 - nats' timeout or no-responders: either way nothing was stored
         return True
     return False

@@ -25,9 +25,12 @@ from e2e_utils import FAST, running_services, up_command, wait_until
 
 from rlbus.bus import Bus, LocalNatsServer, Stage
 from rlbus.config import RlbusConfig
+from rlbus.launcher import ServiceProcess
 from rlbus.metrics_log import read_metrics
 
 STEPS = 150
+NATS_OUTAGE_S = 3.0
+JUNK_FLOOD = 2000
 BATCH = 16  # data.train_batch_size of the demo
 SEED = 20261203
 REPLICA_TIMEOUT_S = 8.0  # trainer.replica_timeout_s in FAST
@@ -82,12 +85,18 @@ async def _publish_junk(cfg: RlbusConfig, n: int) -> None:
 
 
 def _run(
-    tmp_path: Path, server: LocalNatsServer, run_id: str, plan: list[tuple[int, str]], rng: random.Random
+    tmp_path: Path,
+    server: LocalNatsServer,
+    run_id: str,
+    plan: list[tuple[int, str]],
+    rng: random.Random,
+    overrides: list[str] = OVERRIDES,
 ) -> Observed:
     run_dir = tmp_path / "runs" / run_id
     obs = Observed(start=time.monotonic())
+    extra: list[ServiceProcess] = []  # services the fault plan starts beside rlbus up's (a swapped-in reward)
     up = subprocess.Popen(
-        up_command(tmp_path, server.url, run_id, *OVERRIDES),
+        up_command(tmp_path, server.url, run_id, *overrides),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,11 +119,13 @@ def _run(
             step = int(row[0]) if row else 0
             if pending and step >= pending[0][0]:
                 _, what = pending.pop(0)
-                obs.events.append((now, step, _inject(what, run_dir, server, cfg, rng)))
+                obs.events.append((now, step, _inject(what, run_dir, server, cfg, rng, extra)))
             time.sleep(0.1)
         obs.returncode = up.returncode
         obs.stderr = up.stderr.read() if up.stderr else ""
     finally:
+        for p in extra:
+            p.stop(timeout=10)
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
             up.communicate(timeout=60)
@@ -122,13 +133,35 @@ def _run(
     return obs
 
 
-def _inject(what: str, run_dir: Path, server: LocalNatsServer, cfg: RlbusConfig, rng: random.Random) -> str:
+def _inject(
+    what: str,
+    run_dir: Path,
+    server: LocalNatsServer,
+    cfg: RlbusConfig,
+    rng: random.Random,
+    extra: list[ServiceProcess],
+) -> str:
     if what == "nats":
         server.restart()
         return "NATS restarted on its store"
+    if what == "nats-outage":
+        server.kill()
+        time.sleep(NATS_OUTAGE_S)  # the outage itself: how long the bus is gone
+        server.start()
+        return f"SIGKILL NATS, back after {NATS_OUTAGE_S:.0f} s"
     if what == "junk":
         asyncio.run(_publish_junk(cfg, 200))
         return "200 junk messages on prompts and trajectories"
+    if what == "junk-flood":
+        asyncio.run(_publish_junk(cfg, JUNK_FLOOD))
+        return f"{JUNK_FLOOD} junk messages on prompts and trajectories"
+    if what == "reward-swap":
+        extra.append(_flaky_reward(run_dir).start())
+        return "a reward service with a function that raises on 10% of inputs joins"
+    if what == "reward-unswap":
+        for p in extra:
+            p.stop(timeout=10)
+        return "the flaky reward service stops"
     running = running_services(run_dir)
     if what == "rollout":
         what = rng.choice(sorted(n for n in running if n.startswith("rollout")))
@@ -202,3 +235,102 @@ def _count(values: dict) -> dict:
     for v in values.values():
         out[v] = out.get(v, 0) + 1
     return out
+
+
+# ------------------------------------------------------------------------------ the heavy fault load (issue 27)
+
+TESTS = Path(__file__).resolve().parent
+HEAVY_PLAN = [  # (step to act at, what): 10 SIGKILLs (4 of the learner), a NATS outage, a junk flood, a swap
+    (8, "rollout-0"),
+    (14, "learner"),
+    (22, "reward-swap"),
+    (28, "junk-flood"),
+    (34, "rollout-1"),
+    (44, "learner"),
+    (52, "reward"),
+    (60, "nats-outage"),
+    (68, "rollout"),
+    (78, "learner"),
+    (88, "rollout"),
+    (98, "reward"),
+    (104, "reward-unswap"),
+    (112, "learner"),
+]
+
+
+def _flaky_reward(run_dir: Path) -> ServiceProcess:
+    """A second reward service on the same work, scoring with a function that raises on ~10% of inputs."""
+    proc = ServiceProcess(
+        "reward-flaky",
+        "reward",
+        [
+            "--config",
+            str(run_dir / "config.yaml"),
+            "--instance-id",
+            "reward-flaky",
+            "reward.type=function",
+            "reward.function=reward_fns:flaky_addition",
+        ],
+        run_dir / "logs" / "reward-flaky.log",
+    )
+    proc.env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    proc.env.setdefault("OMP_NUM_THREADS", "1")
+    return proc
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(1200)
+def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summary_line) -> None:
+    """The load of issue 27, against an undisturbed run measured in the same job: 10 SIGKILLs (4 of them the
+    learner), NATS SIGKILLed for 3 s, 2,000 junk messages, a reward that raises on 10% of inputs swapped in."""
+    kills = [w for _, w in HEAVY_PLAN if w in ("learner", "reward") or w.startswith("rollout")]
+    assert len(kills) >= 10 and kills.count("learner") == 4
+    results = {}
+    for name, plan in (("calm", []), ("faults", HEAVY_PLAN)):
+        with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
+            run_id = f"heavy-{name}"
+            obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED))
+        assert obs.returncode == 0, obs.stderr[-3000:]
+        run_dir = tmp_path / name / "runs" / run_id
+        rows = read_metrics(run_dir)
+        steps = [int(r["step"]) for r in rows if "reward/mean" in r]
+        assert steps == list(range(1, STEPS + 1)), f"{name}: steps {steps}"
+        ledger = json.loads((run_dir / "ledger.json").read_text())
+        trained, dropped = set(ledger["trained"]), set(ledger["dropped"])
+        assert len(trained) == STEPS * BATCH and not trained & dropped, name
+        assert set(ledger["dispatched"]) == trained | dropped, (
+            f"{name}: a dispatched prompt is unaccounted for"
+        )
+        lost = {p: r for p, r in ledger["dropped"].items() if r == "run_finished_in_flight"}
+        trained_idx = [ledger["dispatched"][p] for p in ledger["trained"]]
+        val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+        # the stalls as the learner logged its steps (the observer's own clock pauses while it injects)
+        times = [float(r["time"]) for r in rows if "reward/mean" in r]
+        obs.progress = [obs.start + t - times[0] + obs.startup_s for t in times]
+        results[name] = (obs, val[-1], ledger, lost, len(trained_idx) - len(set(trained_idx)))
+
+    calm, calm_acc, _, _, _ = results["calm"]
+    heavy, heavy_acc, ledger, lost, twice = results["faults"]
+    stall_budget = 2 * REPLICA_TIMEOUT_S
+    report = "\n".join(
+        [
+            f"undisturbed: {calm.wall_s:.1f} s, longest stall {calm.longest_stall():.1f} s, "
+            f"final val accuracy {calm_acc:.3f}",
+            f"heavy faults: {heavy.wall_s:.1f} s ({heavy.wall_s / calm.wall_s:.2f}x), longest stall "
+            f"{heavy.longest_stall():.1f} s, final val accuracy {heavy_acc:.3f}",
+            *(
+                f"  at step {s:3d}: {what}, next step {heavy.gap_after(t):.1f} s later"
+                for t, s, what in heavy.events
+            ),
+            f"  ledger: {len(ledger['trained'])} trained, dropped {dict(_count(ledger['dropped']))}, "
+            f"lost in flight {len(lost)}, data indices trained twice {twice}",
+        ]
+    )
+    print(report)
+    for line in ["heavy fault load (tests/test_chaos.py, make test-faults):", *report.splitlines()]:
+        summary_line(line)
+    assert not lost, f"prompts lost in flight: {sorted(lost)}\n{report}"
+    assert twice == 0, report
+    assert heavy.longest_stall() <= stall_budget, report
+    assert heavy.wall_s <= 1.5 * calm.wall_s, report
+    assert abs(heavy_acc - calm_acc) <= 0.15, report

@@ -652,3 +652,22 @@ def test_every_rlbus_variable_is_a_config_key() -> None:
     names.discard("RLBUS_")
     bad = sorted(n for n in names if not n.endswith("_") and not config_key_exists(env_key(n)))
     assert names and not bad, f"RLBUS_* names that are no config key: {bad}"
+
+
+def test_k8s_pods_drop_privileges_and_the_network_is_fenced() -> None:
+    """Every rlbus container runs without privilege escalation or capabilities; NATS takes clients only from
+    rlbus pods; a drain takes at most one NATS node or rollout replica and never a learner pod."""
+    docs = [d for p in K8S_MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] != "nats":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                ctx = c["securityContext"]
+                assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"], c[
+                    "name"
+                ]
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    nats_from = policies["nats-clients"]["spec"]["ingress"][0]["from"]
+    assert nats_from == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rlbus"}}}]
+    budgets = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert budgets["learner"]["maxUnavailable"] == 0
+    assert budgets["nats"]["maxUnavailable"] == budgets["rollout"]["maxUnavailable"] == 1

@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -102,8 +102,12 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return int(m.group(1))
 
 
-def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
-    """Removes all but the newest `keep` complete checkpoints, and stale `.tmp`/`.old` leftovers."""
+def prune_checkpoints(
+    root: str | os.PathLike, keep: int, is_kept: Callable[[int], bool] | None = None
+) -> list[Path]:
+    """Removes all but the newest `keep` complete checkpoints, and stale `.tmp`/`.old` leftovers. With
+    `is_kept`, only the steps it names count as kept ones (save_freq); the others (rolling checkpoints)
+    are removed unless one is the newest checkpoint of all."""
     if _rank() != 0:
         return []
     root = Path(root)
@@ -115,6 +119,13 @@ def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     found = list_checkpoints(root)
+    newest = found[-1][0] if found else None
+    if is_kept is not None:
+        for step, path in found:
+            if not is_kept(step) and step != newest:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        found = [(step, path) for step, path in found if is_kept(step)]
     for _, path in found[: max(0, len(found) - max(1, int(keep)))]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -295,35 +306,54 @@ def save_checkpoint(
         c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
         with _single_process_quiet():
             dcp.save({"model": c_model, "optim": c_optim}, checkpoint_id=str(tmp / "critic"))
-    _write_json(tmp / f"rng_rank{rank}.json", rng_state())
     if rank == 0:
-        tstate = _trainer_state(trainer)
-        if critic is not None:
-            tstate["critic_scheduler"] = critic.scheduler.state_dict()
-        meta = {
-            "format": FORMAT_VERSION,
-            "world_size": _world(),
-            "saved_at": time.time(),
-            "trainer": tstate,
-            "extra": extra or {},
-        }
-        _write_json(tmp / "meta.json", meta)
-        _save_hf_files(trainer.model, tokenizer, tmp / "hf")
+        write_small_files(tmp, checkpoint_meta(trainer, extra), rng_state(), trainer.model, tokenizer)
+    else:
+        _write_json(tmp / f"rng_rank{rank}.json", rng_state())
     _barrier()
     if rank == 0:
-        _fsync_tree(tmp)
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        _write_json(tmp / COMPLETE_MARKER, {"files": files, "seconds": time.perf_counter() - t0})
-        _fsync_dir(tmp)
-        old = path.with_name(path.name + ".old")
-        if path.exists():  # the same step saved again (a resumed run got here a second time)
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-        tmp.rename(path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        seal_checkpoint(tmp, path, t0)
     _barrier()
     return path
+
+
+def checkpoint_meta(trainer: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """meta.json's content: the format, the scheduler and KL controller state, the caller's `extra`."""
+    tstate = _trainer_state(trainer)
+    critic = getattr(trainer, "critic", None)
+    if critic is not None:
+        tstate["critic_scheduler"] = critic.scheduler.state_dict()
+    return {
+        "format": FORMAT_VERSION,
+        "world_size": _world(),
+        "saved_at": time.time(),
+        "trainer": tstate,
+        "extra": extra or {},
+    }
+
+
+def write_small_files(
+    tmp: Path, meta: dict[str, Any], rng: dict[str, Any], model: Any, tokenizer: Any
+) -> None:
+    """Rank 0's JSON and HF files of a checkpoint being written in `tmp`."""
+    _write_json(tmp / "rng_rank0.json", rng)
+    _write_json(tmp / "meta.json", meta)
+    _save_hf_files(model, tokenizer, tmp / "hf")
+
+
+def seal_checkpoint(tmp: Path, path: Path, t0: float) -> None:
+    """Everything of `tmp` on disk, the marker last, then renamed to `path` (which only ever appears whole)."""
+    _fsync_tree(tmp)
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    _write_json(tmp / COMPLETE_MARKER, {"files": files, "seconds": time.perf_counter() - t0})
+    _fsync_dir(tmp)
+    old = path.with_name(path.name + ".old")
+    if path.exists():  # the same step saved again (a resumed run got here a second time)
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

@@ -32,6 +32,8 @@ class Ledger:
     leftovers: int = (
         0  # results of work a crashed learner attempt dispatched: superseded, acked, never trained
     )
+    # prompt id -> who made what the learner settled: "<replica>@v<policy version> scored by <reward impl>"
+    made: dict[str, str] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
@@ -59,6 +61,7 @@ class Ledger:
             "dropped": dict(self.dropped),
             "duplicates": self.duplicates,
             "leftovers": self.leftovers,
+            "made": dict(self.made),
         }
 
     @classmethod
@@ -69,7 +72,29 @@ class Ledger:
             dict(raw["dropped"]),
             int(raw.get("duplicates", 0)),
             int(raw.get("leftovers", 0)),
+            dict(raw.get("made", {})),
         )
+
+    def life(self, prompt_id: str) -> dict:
+        """What became of one prompt: its data index, who generated and scored it, and its outcome (the step
+        it was trained in, the reason it was dropped, or still in flight)."""
+        if prompt_id not in self.dispatched:
+            return {"prompt_id": prompt_id, "dispatched": False}
+        outcome = (
+            {"trained_in_step": self.trained[prompt_id]}
+            if prompt_id in self.trained
+            else {"dropped": self.dropped[prompt_id]}
+            if prompt_id in self.dropped
+            else {"in_flight": True}
+        )
+        made = {"made": self.made[prompt_id]} if prompt_id in self.made else {}
+        return {
+            "prompt_id": prompt_id,
+            "dispatched": True,
+            "index": self.dispatched[prompt_id],
+            **made,
+            **outcome,
+        }
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -162,6 +187,8 @@ class Dispatcher:
         for work, result in zip(works, sent, strict=True):
             if not isinstance(result, BaseException):
                 self.ledger.dispatched[work.prompt_id] = work.index
+            else:  # maybe stored, maybe not: again under the same id (JetStream drops a stored one's twin)
+                self.requeue.appendleft(work.index)
         failed = next((r for r in sent if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed

@@ -73,6 +73,7 @@ class Learner:
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
         self.forced_push_at = 0.0
+        self.rolling = None  # the rolling checkpointer, once set up (rlbus.learner.rolling_checkpoint)
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, check_scorers, load_split, prepare_prompts
@@ -142,6 +143,7 @@ class Learner:
             max_deliver=self.cfg.bus.max_deliver,
         )
         self.gatherer = Gatherer(self, consumer)
+        self.rolling = self._rolling()
         await self.ctx.bus.nc.subscribe(self.ctx.bus.names.dlq_wildcard, cb=self._on_dead_letter)
         await self.ctx.state.set_policy_version(self.version)
         self.ctx.policy_version = self.version
@@ -186,10 +188,9 @@ class Learner:
         freq = self.cfg.trainer.save_freq
         return freq > 0 and (done % freq == 0 or done == self.total_steps)
 
-    async def checkpoint(self, done: int) -> Path:
-        from rlbus.learner.checkpoint import checkpoint_root, prune_checkpoints, save_checkpoint, step_dir
-
-        extra = {
+    def _checkpoint_extra(self, done: int) -> dict:
+        """What a checkpoint carries besides the tensors: where the run is, and its ledger."""
+        return {
             "step": done,
             "policy_version": self.version,
             "loader": self.loader.state_dict(),
@@ -197,7 +198,27 @@ class Learner:
             "attempt": self.attempt,
             "run_id": self.cfg.run.id,
         }
+
+    def _rolling(self):
+        """The rolling checkpointer (rlbus.learner.rolling_checkpoint), or None when off or FSDP2 ranks."""
+        from rlbus.learner.checkpoint import checkpoint_root
+        from rlbus.learner.rolling_checkpoint import RollingCheckpointer
+
+        cfg = self.cfg.trainer
+        if cfg.rolling_checkpoint_budget <= 0 or self.trainer.par.world_size > 1:
+            return None
+        root = checkpoint_root(self.run_dir, cfg.default_local_dir)
+        return RollingCheckpointer(
+            root, cfg.rolling_checkpoint_budget, cfg.max_ckpt_to_keep, self._should_save, self.ctx.log
+        )
+
+    async def checkpoint(self, done: int) -> Path:
+        from rlbus.learner.checkpoint import checkpoint_root, prune_checkpoints, save_checkpoint, step_dir
+
+        extra = self._checkpoint_extra(done)
         root = checkpoint_root(self.run_dir, self.cfg.trainer.default_local_dir)
+        if self.rolling is not None:
+            await self.rolling.flush()  # no rolling write beside the kept one (or the prune)
         t0 = time.perf_counter()
         self.trainer.par.lead_call(
             "save_checkpoint", path=str(step_dir(root, done))
@@ -205,7 +226,7 @@ class Learner:
         path = await asyncio.to_thread(
             save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer
         )
-        await asyncio.to_thread(prune_checkpoints, root, self.cfg.trainer.max_ckpt_to_keep)
+        await asyncio.to_thread(prune_checkpoints, root, self.cfg.trainer.max_ckpt_to_keep, self._should_save)
         self.ctx.log.info(
             "checkpoint saved", step=done, path=str(path), seconds=round(time.perf_counter() - t0, 2)
         )
@@ -216,7 +237,11 @@ class Learner:
 
     async def settle(self, delivery, reason: str | None, step: int | None = None) -> None:
         group: ReadyGroup = delivery.message
-        pid = group.scored.trajectories.work.prompt_id
+        traj = group.scored.trajectories
+        pid = traj.work.prompt_id
+        self.ledger.made[pid] = (
+            f"{traj.replica_id}@v{traj.policy_version} scored by {group.scored.reward_impl}"
+        )
         if reason is None:
             self.ledger.trained[pid] = step if step is not None else self.version
         else:
@@ -301,6 +326,15 @@ class Learner:
                 ledger_saved = time.monotonic()
             if self._should_save(step + 1):
                 await self.checkpoint(step + 1)
+            elif self.rolling is not None:
+                done = step + 1
+                await self.rolling.after_step(
+                    done,
+                    t_pushed - t_step,
+                    self.trainer,
+                    lambda done=done: self._checkpoint_extra(done),
+                    self.tokenizer,
+                )
         await self._finish(ledger_path)
         return 0
 
@@ -332,6 +366,8 @@ class Learner:
                 {"policy/version": float(self.version), **self.gatherer.validation_metrics()},
             )
         await self.drain()
+        if self.rolling is not None:
+            await self.rolling.flush()
         self.ledger.save(ledger_path)
         self.writer.close()
         self.pusher.close()
@@ -355,6 +391,7 @@ class Learner:
             "prompts/leftovers": float(ledger.leftovers),
             "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
             "prompts/refused": float(ledger.dropped_count(REFUSED)),
+            "checkpoint/rolling_stage_s_total": self.rolling.staged_total_s if self.rolling else 0.0,
         }
 
     async def validate_only(self) -> int:

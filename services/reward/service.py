@@ -97,11 +97,20 @@ async def _publish_scored(
         )
     scored.trajectories.timings["reward_s"] = seconds
     out = scored if out_stage == Stage.SCORED else ReadyGroup(scored=scored)
-    await ctx.bus.publish(out_stage, out, msg_id=f"{scored.trajectories.work.prompt_id}:scored")
+    result = await ctx.bus.publish(out_stage, out, msg_id=f"{scored.trajectories.work.prompt_id}:scored")
     await delivery.ack()
+    ctx.log.info(
+        "scored",
+        prompt_id=scored.trajectories.work.prompt_id,
+        replica=scored.trajectories.replica_id,
+        duplicate=result.duplicate,
+    )
     ctx.stats["groups"] += 1
     ctx.stats["samples"] += len(scored.rewards)
     ctx.stats["errors"] += n_err
+    # a group already stored under this msg id (a redelivery's second scoring, or another publisher's): ours
+    # was dropped by JetStream's dedup; counted so `rlbus status` shows it
+    ctx.stats["duplicate_publishes"] = ctx.stats.get("duplicate_publishes", 0.0) + float(result.duplicate)
 
 
 async def reward_loop(ctx: ServiceContext) -> int:

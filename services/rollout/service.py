@@ -332,7 +332,9 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             again = [d for d in deliveries if d.num_delivered > 1]
             if again:  # a replica died (or timed out) holding this work, or it was nak'ed back
                 ctx.log.info(
-                    "work redelivered", prompts=len(again), deliveries=max(d.num_delivered for d in again)
+                    "work redelivered",
+                    prompt_ids=[d.message.prompt_id for d in again],
+                    deliveries=max(d.num_delivered for d in again),
                 )
             deliveries = await admit(ctx, deliveries, limits)
             if not deliveries:
@@ -343,7 +345,10 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             needed = max(d.message.min_policy_version for d in deliveries)
             if not await replica.wait_for_version(needed, cfg.weight_wait_s, deliveries):
                 ctx.log.warning(
-                    "weights too old for this work; handing it back", have=replica.version, need=needed
+                    "weights too old for this work; handing it back",
+                    have=replica.version,
+                    need=needed,
+                    prompt_ids=[d.message.prompt_id for d in deliveries],
                 )
                 for d in deliveries:
                     await d.nak(delay=1.0)
@@ -355,6 +360,9 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 for d, outcome in zip(deliveries, outcomes, strict=True):
                     handing_on.create_task(hand_on(ctx, d, outcome))
             ctx.stats["tokens"] += tokens
+            ctx.log.info(
+                "generated", version=replica.version, prompt_ids=[d.message.prompt_id for d in deliveries]
+            )
     finally:
         weights.cancel()
         await asyncio.to_thread(engine.close)

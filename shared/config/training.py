@@ -190,6 +190,14 @@ class TrainerConfig(Section):
     )
     critic_warmup: int = Field(0, ge=0, description="verl: steps that train only the critic; 0 only here")
     max_ckpt_to_keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted")
+    rolling_checkpoint_budget: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="a rolling checkpoint of the newest step, staged to host memory and written in the "
+        "background, so a learner restart retrains about one step: it stages whenever its cost stays within "
+        "this fraction of a step's time (0 = off; one learner process only; save_freq's are the kept ones)",
+    )
     seed: int = Field(0, description="seed of model initialisation and training")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the learner trains: auto picks a GPU when there is one"
