@@ -240,6 +240,10 @@ def _count(values: dict) -> dict:
 # ------------------------------------------------------------------------------ the heavy fault load (issue 27)
 
 TESTS = Path(__file__).resolve().parent
+# The operator's defaults (rlbus up's restart backoff among them). The final held-out accuracy (128 prompts,
+# greedy) varies by about 0.05 between undisturbed runs alone: the train accuracy of the last 30 steps (7,680
+# samples) is the tighter check on the learning itself.
+HEAVY_OVERRIDES = [o for o in OVERRIDES if not o.startswith("run.restart_backoff_s")]
 HEAVY_PLAN = [  # (step to act at, what): 10 SIGKILLs (4 of the learner), a NATS outage, a junk flood, a swap
     (8, "rollout-0"),
     (14, "learner"),
@@ -286,10 +290,11 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
     kills = [w for _, w in HEAVY_PLAN if w in ("learner", "reward") or w.startswith("rollout")]
     assert len(kills) >= 10 and kills.count("learner") == 4
     results = {}
+    train_acc: dict[str, float] = {}
     for name, plan in (("calm", []), ("faults", HEAVY_PLAN)):
         with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
             run_id = f"heavy-{name}"
-            obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED))
+            obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED), HEAVY_OVERRIDES)
         assert obs.returncode == 0, obs.stderr[-3000:]
         run_dir = tmp_path / name / "runs" / run_id
         rows = read_metrics(run_dir)
@@ -301,6 +306,8 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
         assert set(ledger["dispatched"]) == trained | dropped, (
             f"{name}: a dispatched prompt is unaccounted for"
         )
+        late = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r][-30:]
+        train_acc[name] = sum(late) / len(late)
         lost = {p: r for p, r in ledger["dropped"].items() if r == "run_finished_in_flight"}
         trained_idx = [ledger["dispatched"][p] for p in ledger["trained"]]
         val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
@@ -315,9 +322,10 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
     report = "\n".join(
         [
             f"undisturbed: {calm.wall_s:.1f} s, longest stall {calm.longest_stall():.1f} s, "
-            f"final val accuracy {calm_acc:.3f}",
+            f"final val accuracy {calm_acc:.3f}, train accuracy of the last 30 steps {train_acc['calm']:.3f}",
             f"heavy faults: {heavy.wall_s:.1f} s ({heavy.wall_s / calm.wall_s:.2f}x), longest stall "
-            f"{heavy.longest_stall():.1f} s, final val accuracy {heavy_acc:.3f}",
+            f"{heavy.longest_stall():.1f} s, final val accuracy {heavy_acc:.3f}, "
+            f"train accuracy of the last 30 steps {train_acc['faults']:.3f}",
             *(
                 f"  at step {s:3d}: {what}, next step {heavy.gap_after(t):.1f} s later"
                 for t, s, what in heavy.events
@@ -334,3 +342,4 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
     assert heavy.longest_stall() <= stall_budget, report
     assert heavy.wall_s <= 1.5 * calm.wall_s, report
     assert abs(heavy_acc - calm_acc) <= 0.15, report
+    assert abs(train_acc["faults"] - train_acc["calm"]) <= 0.05, report

@@ -76,7 +76,7 @@ class Learner:
         self.rolling = None  # the rolling checkpointer, once set up (rlbus.learner.rolling_checkpoint)
 
     async def setup(self) -> None:
-        from rlbus.learner.data import PromptLoader, check_scorers, load_split, prepare_prompts
+        from rlbus.learner.data import PromptLoader, check_scorers, prepared_split
         from rlbus.learner.trainer import PolicyTrainer
         from rlbus.learner.weight_push import WeightPusher
         from rlbus.metrics_log import MetricsWriter
@@ -103,8 +103,8 @@ class Learner:
             rewind_metrics(self.run_dir, 0)  # an earlier attempt's rows (none of them resumable) move aside
         model_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
         self.tokenizer = load_tokenizer(model_path)
-        records = prepare_prompts(load_split(cfg.data, "train"), self.tokenizer, cfg.data, "train")
-        self.val_records = prepare_prompts(load_split(cfg.data, "val"), self.tokenizer, cfg.data, "val")
+        records = prepared_split(cfg.data, self.tokenizer, "train", self.run_dir)
+        self.val_records = prepared_split(cfg.data, self.tokenizer, "val", self.run_dir)
         check_scorers(records + self.val_records, cfg.reward.type)
         from rlbus.learner.admission import ready_limits
         from rlbus.modeling import model_vocab_size

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - structlog is a dependency
     log = logging.getLogger("rlbus.bus")
 
 RECONNECT_BASE_S = 0.1
-RECONNECT_CAP_S = 2.0
+RECONNECT_CAP_S = 0.5  # a server back after an outage is found within half a second (jittered: no storm)
 PENDING_BUFFER_BYTES = 64 * 1024 * 1024
 """Client-side buffer for publishes made while reconnecting; large enough for a few 8 MiB messages."""
 

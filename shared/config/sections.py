@@ -43,7 +43,7 @@ class RunConfig(Section):
         "(the learner resumes from its last checkpoint), then stops the run",
     )
     restart_backoff_s: float = Field(
-        1.0,
+        0.1,
         ge=0.0,
         description="wait before a restart; doubles while a service keeps dying within 10 s of its start "
         "(at most 30 s), and is this again once it ran 10 s (Docker's rule)",

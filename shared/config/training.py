@@ -223,7 +223,7 @@ class TrainerConfig(Section):
     weight_sync_host: str | None = Field(None, description="address replicas dial for the weight group")
     replica_timeout_s: float = Field(20.0, gt=0, description="a replica silent this long is dropped")
     weight_join_window_s: float = Field(
-        2.0,
+        0.5,
         gt=0,
         description="how long the learner's roll call before a new weight group waits for replicas to answer; "
         "only replicas that answer join (a heartbeat alone is not enough), so a dead or forged replica costs "
