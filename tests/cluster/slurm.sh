@@ -9,6 +9,7 @@
 #
 #   bash tests/cluster/slurm.sh              # the CI scenarios: 1 learner node, then 2 (torchrun)
 #   REPEAT=10 SCENARIOS=2 bash tests/cluster/slurm.sh   # the two-learner-node case ten times
+#   SCENARIOS=faults bash tests/cluster/slurm.sh         # only the job whose reward step and a learner rank die
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -23,9 +24,10 @@ if [[ ${1:-} != inner ]]; then
     exec unshare --mount --propagation private bash "$0" inner
 fi
 
-SCENARIOS=${SCENARIOS:-1,2}          # learner node counts to run, in order
+SCENARIOS=${SCENARIOS:-1,2,faults}   # learner node counts to run, in order; faults: 2 learner nodes, kills
 REPEAT=${REPEAT:-1}                  # runs per scenario
 STEPS=${STEPS:-8}
+FAULT_STEPS=${FAULT_STEPS:-30}
 NODES=(n1 n2 n3 n4)
 BRIDGE=rlbus-sl0
 NET=10.231.7
@@ -135,15 +137,43 @@ sinfo -N
 log "cluster up: $(sinfo -V), 4 nodes idle"
 
 # ---- the shipped script, unchanged, as a user submits it ------------------------------------------
-run_job() {  # $1 = learner nodes
-    local learners=$1 jobid state exitcode dir
+# The step of job $1 named $2 (reward, rollout, ...), from squeue.
+step_of() { squeue -h -s -j "$1" -o "%i %j" | awk -v n="$2" '$2 == n {print $1}' | head -n 1; }
+
+# The trained steps of run dir $1 so far (0 before the first).
+steps_done() { [[ -f $1/metrics.jsonl ]] && grep -c '"reward/mean"' "$1/metrics.jsonl" || echo 0; }
+
+wait_steps() {  # $1 = run dir, $2 = steps: wait until the run trained them (or 120 s passed)
+    for _ in $(seq 600); do (( $(steps_done "$1") >= $2 )) && return 0; sleep 0.2; done
+    log "the run did not reach step $2"; return 1
+}
+
+# While job $1 runs (run dir $2): SIGKILL its reward step, then one learner rank (a torchrun worker).
+inject_faults() {
+    local jobid=$1 run=$2 step worker
+    wait_steps "$run" 3 || return 1
+    step=$(step_of "$jobid" reward)
+    log "job $jobid: SIGKILL reward step $step at step $(steps_done "$run")"
+    scancel --signal=KILL "$step"
+    wait_steps "$run" 10 || return 1
+    # a worker is a python child of a torchrun agent: the agent's own command line names torchrun
+    worker=$(pgrep -f "rlbus.learner.main" | while read -r pid; do
+        grep -qa torchrun "/proc/$pid/cmdline" || echo "$pid"; done | sort -n | tail -n 1)
+    log "job $jobid: SIGKILL learner rank (pid $worker) at step $(steps_done "$run")"
+    kill -9 "$worker"
+}
+
+run_job() {  # $1 = learner nodes, or "faults" (2 learner nodes; the reward step and a learner rank die)
+    local learners=$1 jobid state exitcode dir steps=$STEPS save=-1 faults=0 injector=""
+    if [[ $learners == faults ]]; then learners=2 steps=$FAULT_STEPS save=5 faults=1; fi
     SUBMITTED=$((SUBMITTED + 1))
     # A fresh job directory and NATS store per submission: job ids restart with each new cluster.
     jobid=$(LEARNER_NODES=$learners GPUS_PER_NODE=0 JOB_DIR="$WORK/job-$SUBMITTED" \
         NATS_STORE="$WORK/nats-store-$SUBMITTED" sbatch --parsable --nodes=4 \
         --output="$WORK/job-%j.out" slurm/rlbus.sbatch \
-        "trainer.total_training_steps=$STEPS" trainer.save_freq=-1)
-    log "job $jobid: LEARNER_NODES=$learners, $STEPS steps"
+        "trainer.total_training_steps=$steps" "trainer.save_freq=$save")
+    log "job $jobid: LEARNER_NODES=$learners, $steps steps$( (( faults )) && echo ', reward step and a learner rank killed')"
+    if (( faults )); then inject_faults "$jobid" "$WORK/job-$SUBMITTED/slurm-$jobid" & injector=$!; fi
     for _ in $(seq "${JOB_POLLS:-900}"); do
         state=$(scontrol show job "$jobid" -o | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
         [[ $state == PENDING || $state == RUNNING || $state == CONFIGURING || $state == COMPLETING ]] || break
@@ -151,6 +181,7 @@ run_job() {  # $1 = learner nodes
     done
     exitcode=$(scontrol show job "$jobid" -o | grep -o ' ExitCode=[0-9:]*' | cut -d= -f2)
     dir=$WORK/job-$SUBMITTED
+    if [[ -n $injector ]] && ! wait "$injector"; then log "job $jobid: the faults were not injected"; return 1; fi
     if [[ $state != COMPLETED || $exitcode != 0:0 ]]; then
         log "job $jobid ended $state, exit $exitcode"
         scontrol show job "$jobid"; sinfo -N -l
@@ -160,8 +191,12 @@ run_job() {  # $1 = learner nodes
     grep -q '"run finished"\|run finished' "$dir/learner.log" || { log "no 'run finished' in learner.log"; return 1; }
     replicas=$(grep '"weights updated"' "$dir/rollout.log" | grep -o '"service": "[^"]*"' | sort -u | wc -l)
     (( replicas == 3 - learners )) || { log "job $jobid: $replicas rollout replicas received weights, want $((3 - learners))"; return 1; }
-    "$REPO/.venv/bin/python" tests/cluster/check_run.py "$dir/slurm-$jobid" --steps "$STEPS"
-    if grep -n 'CANCELLED\|unexpected EOF\|Traceback' "$WORK/job-$jobid.out" "$dir"/*.log; then
+    "$REPO/.venv/bin/python" tests/cluster/check_run.py "$dir/slurm-$jobid" --steps "$steps"
+    if (( faults )); then
+        grep -q 'restarting it (1/' "$WORK/job-$jobid.out" || { log "job $jobid: the reward step was not restarted"; return 1; }
+        grep -q '"resumed from checkpoint"\|resumed from checkpoint' "$dir/learner.log" \
+            || { log "job $jobid: the learner did not resume after its rank died"; return 1; }
+    elif grep -n 'CANCELLED\|unexpected EOF\|Traceback' "$WORK/job-$jobid.out" "$dir"/*.log; then
         log "job $jobid: the logs do not end clean"; cat "$WORK/job-$jobid.out"; return 1
     fi
     log "job $jobid: COMPLETED, exit 0, every replica updated, $(grep -o '"trained.*"duplicates": [0-9]*' "$dir/learner.log")"
