@@ -31,6 +31,8 @@ from rlbus.learner.checkpoint import (
     write_small_files,
 )
 
+WRITERS = 4  # DCP writer threads of a rolling checkpoint
+
 
 def rolling_due(steps_since: int, stage_s: float | None, step_s: float, budget: float) -> bool:
     """Whether to stage now: never measured yet, or its cost spread over `steps_since` steps fits the budget."""
@@ -116,10 +118,12 @@ def write(staged: Staged) -> Path:
     tmp = staged.path.with_name(staged.path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with _single_process_quiet():
-        dcp.save(staged.state, checkpoint_id=str(tmp / "state"))
+    with _single_process_quiet():  # several writer threads: one wrote 7 GB at 0.7 GB/s on the H200's box
+        dcp.save(staged.state, storage_writer=dcp.FileSystemWriter(str(tmp / "state"), thread_count=WRITERS))
         if staged.critic is not None:
-            dcp.save(staged.critic, checkpoint_id=str(tmp / "critic"))
+            dcp.save(
+                staged.critic, storage_writer=dcp.FileSystemWriter(str(tmp / "critic"), thread_count=WRITERS)
+            )
     write_small_files(tmp, staged.meta, staged.rng, staged.model, staged.tokenizer)
     seal_checkpoint(tmp, staged.path, staged.t0)
     return staged.path
