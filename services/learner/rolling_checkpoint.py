@@ -131,7 +131,8 @@ def write(staged: Staged) -> Path:
 
 class RollingCheckpointer:
     """Stages a rolling checkpoint after a step when it is due and writes it in the background; at most one
-    write in flight (the next staging waits for it); the rolling ones older than the newest are removed."""
+    write in flight (a step while one is writing stages nothing); the rolling ones older than the newest are
+    removed."""
 
     def __init__(
         self, root: Path, budget: float, keep: int, is_kept: Callable[[int], bool], log: Any
@@ -147,12 +148,15 @@ class RollingCheckpointer:
     async def after_step(
         self, step: int, step_s: float, trainer: Any, extra: Callable[[], dict[str, Any]], tokenizer: Any
     ) -> float:
-        """Stage `step` when due, and start writing it; returns the seconds the step paid."""
+        """Stage `step` when due and the last write is done (a step never waits for the disk), and start
+        writing it; returns the seconds the step paid."""
         self.steps_since += 1
+        if self._writing is not None and not self._writing.done():
+            return 0.0
         if not rolling_due(self.steps_since, self.stage_s, step_s, self.budget):
             return 0.0
         t0 = time.perf_counter()
-        await self.flush()
+        await self.flush()  # done already: only collects its outcome
         path = self.root / f"step_{step}"
         staged = await asyncio.to_thread(stage, path, trainer, extra(), tokenizer, self.host)
         self.stage_s = time.perf_counter() - t0
