@@ -86,7 +86,8 @@ async def measure(args: argparse.Namespace) -> int:
             )
             print(
                 f"round {r + 1}: mean step {rows[-1][0]:.3f} s plain, {rows[-1][1]:.3f} s with the rolling "
-                f"checkpoint at budget {args.budget:g} ({staged_n} staged in {args.steps} steps)",
+                f"checkpoint at budget {args.budget:g} ({staged_n} staged in {args.steps} steps, paying "
+                f"{', '.join(f'{p:.3f}' for p in paid if p > 0) or 'nothing'} s)",
                 flush=True,
             )
         plain_s = statistics.median(r[0] for r in rows)

@@ -173,6 +173,20 @@ def _inject(
     return f"SIGKILL {what}"
 
 
+def _finished(obs: Observed, run_dir: Path, name: str) -> tuple[list[dict], dict]:
+    """A finished run's metrics rows and ledger, once checked: it ended well, every step trained once, every
+    dispatched prompt trained or dropped with a reason."""
+    assert obs.returncode == 0, obs.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    steps = [int(r["step"]) for r in rows if "reward/mean" in r]
+    assert steps == list(range(1, STEPS + 1)), f"{name}: steps {steps}"
+    ledger = json.loads((run_dir / "ledger.json").read_text())
+    trained, dropped = set(ledger["trained"]), set(ledger["dropped"])
+    assert len(trained) == STEPS * BATCH and not trained & dropped, name
+    assert set(ledger["dispatched"]) == trained | dropped, f"{name}: a dispatched prompt is unaccounted for"
+    return rows, ledger
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_line) -> None:
@@ -181,17 +195,7 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_lin
         with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
             run_id = f"chaos-{name}"
             obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED))
-        assert obs.returncode == 0, obs.stderr[-3000:]
-        run_dir = tmp_path / name / "runs" / run_id
-        rows = read_metrics(run_dir)
-        steps = [int(r["step"]) for r in rows if "reward/mean" in r]
-        assert steps == list(range(1, STEPS + 1)), f"{name}: steps {steps}"
-        ledger = json.loads((run_dir / "ledger.json").read_text())
-        trained, dropped = set(ledger["trained"]), set(ledger["dropped"])
-        assert len(trained) == STEPS * BATCH and not trained & dropped, name
-        assert set(ledger["dispatched"]) == trained | dropped, (
-            f"{name}: a dispatched prompt is unaccounted for"
-        )
+        rows, ledger = _finished(obs, tmp_path / name / "runs" / run_id, name)
         val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
         results[name] = (obs, val[-1], ledger)
 
@@ -295,17 +299,7 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
         with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
             run_id = f"heavy-{name}"
             obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED), HEAVY_OVERRIDES)
-        assert obs.returncode == 0, obs.stderr[-3000:]
-        run_dir = tmp_path / name / "runs" / run_id
-        rows = read_metrics(run_dir)
-        steps = [int(r["step"]) for r in rows if "reward/mean" in r]
-        assert steps == list(range(1, STEPS + 1)), f"{name}: steps {steps}"
-        ledger = json.loads((run_dir / "ledger.json").read_text())
-        trained, dropped = set(ledger["trained"]), set(ledger["dropped"])
-        assert len(trained) == STEPS * BATCH and not trained & dropped, name
-        assert set(ledger["dispatched"]) == trained | dropped, (
-            f"{name}: a dispatched prompt is unaccounted for"
-        )
+        rows, ledger = _finished(obs, tmp_path / name / "runs" / run_id, name)
         late = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r][-30:]
         train_acc[name] = sum(late) / len(late)
         lost = {p: r for p, r in ledger["dropped"].items() if r == "run_finished_in_flight"}

@@ -137,29 +137,27 @@ sinfo -N
 log "cluster up: $(sinfo -V), 4 nodes idle"
 
 # ---- the shipped script, unchanged, as a user submits it ------------------------------------------
-# The step of job $1 named $2 (reward, rollout, ...), from squeue.
-step_of() { squeue -h -s -j "$1" -o "%i %j" | awk -v n="$2" '$2 == n {print $1}' | head -n 1; }
-
 # The trained steps of run dir $1 so far (0 before the first).
-steps_done() { [[ -f $1/metrics.jsonl ]] && grep -c '"reward/mean"' "$1/metrics.jsonl" || echo 0; }
+steps_done() { local n=0; [[ -f $1/metrics.jsonl ]] && n=$(grep -c '"reward/mean"' "$1/metrics.jsonl"); echo "${n:-0}"; }
 
 wait_steps() {  # $1 = run dir, $2 = steps: wait until the run trained them (or 120 s passed)
     for _ in $(seq 600); do (( $(steps_done "$1") >= $2 )) && return 0; sleep 0.2; done
     log "the run did not reach step $2"; return 1
 }
 
-# While job $1 runs (run dir $2): SIGKILL its reward step, then one learner rank (a torchrun worker).
+# While job $1 runs (run dir $2): SIGKILL its reward service, then one learner rank (a torchrun worker).
 inject_faults() {
     local jobid=$1 run=$2 step worker
     wait_steps "$run" 3 || return 1
-    step=$(step_of "$jobid" reward)
-    log "job $jobid: SIGKILL reward step $step at step $(steps_done "$run")"
-    scancel --signal=KILL "$step"
+    step=$(pgrep -f "rlbus reward --config" | head -n 1)  # the service the reward step runs, as an OOM kill takes it
+    log "job $jobid: SIGKILL the reward step's service (pid $step) at step $(steps_done "$run")"
+    kill -9 "$step"
     wait_steps "$run" 10 || return 1
-    # a worker is a python child of a torchrun agent: the agent's own command line names torchrun
+    # the worker of rank 1 (not the agent: its command line names torchrun), on the second learner node
     worker=$(pgrep -f "rlbus.learner.main" | while read -r pid; do
-        grep -qa torchrun "/proc/$pid/cmdline" || echo "$pid"; done | sort -n | tail -n 1)
-    log "job $jobid: SIGKILL learner rank (pid $worker) at step $(steps_done "$run")"
+        grep -qa torchrun "/proc/$pid/cmdline" || ! tr '\0' '\n' < "/proc/$pid/environ" | grep -qx RANK=1 \
+            || echo "$pid"; done | head -n 1)
+    log "job $jobid: SIGKILL learner rank 1 (pid $worker) at step $(steps_done "$run")"
     kill -9 "$worker"
 }
 
