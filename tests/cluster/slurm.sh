@@ -191,7 +191,8 @@ run_job() {  # $1 = learner nodes, or "faults" (2 learner nodes; the reward step
     (( replicas == 3 - learners )) || { log "job $jobid: $replicas rollout replicas received weights, want $((3 - learners))"; return 1; }
     "$REPO/.venv/bin/python" tests/cluster/check_run.py "$dir/slurm-$jobid" --steps "$steps"
     if (( faults )); then
-        grep -q 'restarting it (1/' "$WORK/job-$jobid.out" || { log "job $jobid: the reward step was not restarted"; return 1; }
+        grep -q 'reward exited with .*restarting it (1/' "$dir/reward.log" \
+            || { log "job $jobid: the reward step was not restarted"; tail -n 20 "$dir/reward.log"; return 1; }
         grep -q '"resumed from checkpoint"\|resumed from checkpoint' "$dir/learner.log" \
             || { log "job $jobid: the learner did not resume after its rank died"; return 1; }
     elif grep -n 'CANCELLED\|unexpected EOF\|Traceback' "$WORK/job-$jobid.out" "$dir"/*.log; then
