@@ -275,7 +275,12 @@ async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
             needs=d.message.min_policy_version,
             learner=learner_version,
         )
-        await d.term()
+        # parked, not terminated: were it ever a live attempt's prompt, the learner's ledger settles it from the
+        # dead letter ('dead_lettered') instead of waiting for it to the end of the run
+        await d.dead_letter(
+            f"needs policy version {d.message.min_policy_version}, above the learner's {learner_version}: "
+            "work of an earlier learner attempt"
+        )
     return kept
 
 
