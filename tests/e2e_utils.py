@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlbus.config import RlbusConfig, load_config, save_config
 from rlbus.launcher import ServiceProcess, service_processes
+from rlbus.messages import PromptWork, SamplingParams
 from rlbus.metrics_log import read_metrics
 
 FAST = [
@@ -21,6 +22,20 @@ FAST = [
     "trainer.batch_timeout_s=120",
     "logging.level=info",
 ]
+
+
+def prompt_work(run_id: str, i: int = 0) -> PromptWork:
+    """A minimal, valid work item (prompt id `p<i>`): for tests of the bus itself, not of generation."""
+    return PromptWork(
+        run_id=run_id,
+        prompt_id=f"p{i}",
+        index=i,
+        step=0,
+        min_policy_version=0,
+        prompt_ids=[1],
+        n=1,
+        sampling=SamplingParams(),
+    )
 
 
 def up_command(tmp_path: Path, nats_url: str, run_id: str, *overrides: str) -> list[str]:

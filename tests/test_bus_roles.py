@@ -10,25 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from e2e_utils import prompt_work
 
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, Stage
 from rlbus.bus.roles import authorization_block, make_users, read_reader
 from rlbus.bus.subjects import RunNames
 from rlbus.config import RlbusConfig, load_config
-from rlbus.messages import Heartbeat, PromptWork, SamplingParams, encode
-
-
-def _work(run_id: str, i: int) -> PromptWork:
-    return PromptWork(
-        run_id=run_id,
-        prompt_id=f"p{i}",
-        index=i,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=[1],
-        n=1,
-        sampling=SamplingParams(),
-    )
+from rlbus.messages import Heartbeat, encode
 
 
 def _as(cfg: RlbusConfig, user) -> RlbusConfig:
@@ -66,7 +54,7 @@ async def test_each_role_publishes_only_what_it_owns(run_id: str, tmp_path: Path
             await Bus.open(wrong, name="guesser", ensure=False)
 
         async with Bus.connect(_as(cfg, by["learner"]), name="learner") as learner:
-            await learner.publish(Stage.PROMPTS, _work(run_id, 0), msg_id="p0")
+            await learner.publish(Stage.PROMPTS, prompt_work(run_id, 0), msg_id="p0")
             state = await learner.state()
             await state.set_policy_version(1)
         async with Bus.connect(_as(cfg, by["rollout-0"]), name="rollout-0") as rollout:

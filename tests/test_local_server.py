@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from e2e_utils import prompt_work
 
 from rlbus.bus import Bus, LocalNatsServer, Stage, resolve_bus_url
 from rlbus.bus import local_server as local_server_mod
@@ -18,20 +19,6 @@ from rlbus.bus.local_server import (
     server_info,
 )
 from rlbus.config.schema import BusConfig, RlbusConfig
-from rlbus.messages import PromptWork, SamplingParams
-
-
-def _work(run_id: str, i: int) -> PromptWork:
-    return PromptWork(
-        run_id=run_id,
-        prompt_id=f"p{i}",
-        index=i,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=[1],
-        n=1,
-        sampling=SamplingParams(),
-    )
 
 
 def _port_open(port: int) -> bool:
@@ -53,8 +40,8 @@ async def test_starts_serves_jetstream_restarts_with_messages_and_stops(tmp_path
         assert info and info["jetstream"] and info["max_payload"] == 4 * 1024 * 1024
         cfg = RlbusConfig(run={"id": run_id}, bus={"url": server.url})
         async with Bus.connect(cfg, name="t", storage="file") as bus:
-            await bus.publish(Stage.PROMPTS, _work(run_id, 1))
-            await bus.publish(Stage.PROMPTS, _work(run_id, 2))
+            await bus.publish(Stage.PROMPTS, prompt_work(run_id, 1))
+            await bus.publish(Stage.PROMPTS, prompt_work(run_id, 2))
             await (await bus.state()).set_policy_version(7)
 
         server.restart()

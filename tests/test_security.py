@@ -20,12 +20,11 @@ import tokenize
 from pathlib import Path
 
 import pytest
-from e2e_utils import Run, make_config
+from e2e_utils import Run, make_config, prompt_work
 
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, Stage, connect
 from rlbus.config import RlbusConfig, save_config
 from rlbus.launcher import ServiceProcess
-from rlbus.messages import PromptWork, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,22 +36,9 @@ def _cfg(url: str, run_id: str, tmp_path: Path, **bus: object) -> RlbusConfig:
     return RlbusConfig(run={"id": run_id, "dir": tmp_path / "runs"}, bus={"url": url, **bus})
 
 
-def _work(run_id: str, i: int = 0) -> PromptWork:
-    return PromptWork(
-        run_id=run_id,
-        prompt_id=f"p{i}",
-        index=i,
-        step=0,
-        min_policy_version=0,
-        prompt_ids=[1],
-        n=1,
-        sampling=SamplingParams(),
-    )
-
-
 async def _roundtrip(cfg: RlbusConfig) -> None:
     async with Bus.connect(cfg, name="secure-client") as bus:
-        await bus.publish(Stage.PROMPTS, _work(cfg.run.id))
+        await bus.publish(Stage.PROMPTS, prompt_work(cfg.run.id))
         consumer = await bus.consumer(Stage.PROMPTS, "rollout", ack_wait_s=5)
         [d] = await consumer.fetch(1, timeout=5)
         assert d.message.prompt_id == "p0"  # type: ignore[attr-defined]
