@@ -121,7 +121,6 @@ class Gatherer:
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_step = 0  # the step the pending validation was started at
         self.val_again = 0  # validation prompts dispatched again (their answer was refused)
-        self.refused = 0  # ready groups dead-lettered by admission (for metrics)
         self.val_results: list[tuple[float, bool, int]] = []
         self.weights_behind = False  # a group came from weights this learner never made: push ours
         self._refused_said: set[str] = set()
@@ -181,7 +180,6 @@ class Gatherer:
         """A group that failed admission: dead-lettered alone with `reason`, its prompt dispatched again
         under a new id (the honest group, if it still comes, meets a settled id and is acked unused)."""
         learner = self.learner
-        self.refused += 1
         if pid in self.val_pending:
             index = self.val_pending.pop(pid)
             self.val_again += 1
