@@ -18,7 +18,10 @@ SUBCOMMANDS: tuple[str, ...] = (
     "make-tiny-model",
     "export-hf",
     "train",
+    "bus-credentials",
 )
+# Long-running services, the ones a container supervisor would restart after a refusal (rlbus.refusal_hold).
+SERVICE_COMMANDS: frozenset[str] = frozenset({"up", "train", "learner", "rollout", "reward", "ref"})
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -27,9 +30,15 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from rlbus.config import load_config
+    import os
 
-    return load_config(args.config, args.overrides)
+    from rlbus.config import load_config
+    from rlbus.refusal_hold import ON_REFUSAL_ENV
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.run.on_refusal == "hold":  # set in the YAML or an override: main() reads it from here
+        os.environ[ON_REFUSAL_ENV] = "hold"
+    return cfg
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -133,6 +142,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bus_credentials(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlbus.bus.stack_credentials import write_stack_credentials
+    from rlbus.bus.subjects import RunNames
+
+    cfg = _load(args)
+    auth = write_stack_credentials(Path(args.into), RunNames(cfg.run.id), cfg.needs_ref)
+    print(f"rlbus bus-credentials: one NKey per role under {args.into}; the server's users in {auth}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlbus", description="RL post-training as services over NATS")
     from rlbus import __version__
@@ -171,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true")
     p.set_defaults(func=_cmd_status)
 
+    p = sub.add_parser(
+        "bus-credentials", help="per-role NKeys and the NATS server's auth block for a compose stack"
+    )
+    _config_args(p)
+    p.add_argument("--into", required=True, help="folder: <role>/seed.nk and server/auth.conf")
+    p.set_defaults(func=_cmd_bus_credentials)
+
     p = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
@@ -197,12 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     from rlbus.config import ConfigError
+    from rlbus.refusal_hold import hold_refused, holds_on_refusal
+    from rlbus.service import EXIT_REFUSED
+
+    def hold() -> bool:
+        return holds_on_refusal() and args.command in SERVICE_COMMANDS
 
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
     except ConfigError as exc:
+        if hold():
+            return hold_refused(args.command, str(exc), EXIT_REFUSED)
         print(str(exc), file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -212,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlbus {args.command}: {exc}", file=sys.stderr)
             return 1
         raise
+    if rc == EXIT_REFUSED and hold():
+        return hold_refused(args.command, "the reason is in the log lines above", rc)
+    return rc
 
 
 if __name__ == "__main__":

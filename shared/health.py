@@ -103,8 +103,15 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         content_type = "text/plain; charset=utf-8"
-        if path == "/healthz":
-            status, body = 200, f"ok {owner.service_name}\n".encode()
+        if path == "/healthz":  # alive; a refused service says so, and a restart would not help it
+            refused = owner.refused
+            status, body = (
+                200,
+                (
+                    f"refused {owner.service_name}: {refused}" if refused else f"ok {owner.service_name}"
+                ).encode()
+                + b"\n",
+            )
         elif path == "/readyz":
             ready, reason = owner.ready_state
             status = 200 if ready else 503
@@ -158,6 +165,7 @@ class HealthServer:
         self._requested_port = port
         self._ready = False
         self._reason = "starting"
+        self._refused = ""
         self._lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -190,6 +198,18 @@ class HealthServer:
         with self._lock:
             self._ready = bool(ready)
             self._reason = "" if ready else (reason or "marked not ready")
+
+    @property
+    def refused(self) -> str:
+        """Why the service refused its configuration, or "" while it has not."""
+        with self._lock:
+            return self._refused
+
+    def set_refused(self, reason: str) -> None:
+        """The service will not serve with this configuration: never ready, and /healthz says why."""
+        with self._lock:
+            self._ready, self._refused = False, reason or "refused its configuration"
+            self._reason = f"refused: {self._refused}"
 
     def start(self) -> HealthServer:
         """Binds and serves in a daemon thread. Raises OSError (naming the port) if it is taken."""

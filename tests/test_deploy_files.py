@@ -44,11 +44,13 @@ COMPOSE_FILES = [
     COMPOSE / "docker-compose.yml",
     COMPOSE / "docker-compose.gpu.yml",
     COMPOSE / "docker-compose.gpu1.yml",
+    COMPOSE / "docker-compose.ports.yml",
 ]
 DOCKERFILES = [COMPOSE / "Dockerfile.cpu", COMPOSE / "Dockerfile.cuda"]
 K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 SBATCH = SLURM / "rlbus.sbatch"
 RLBUS_SERVICES = ("learner", "rollout", "reward", "ref")
+COMPOSE_TOOLS = ("bus-credentials", "status")  # the one-shot key maker, and `run --rm status` (profile tools)
 HEALTH_PORT = 8080
 
 # The CLI contract (used until rlbus.cli exports SUBCOMMANDS) and the module entry points.
@@ -240,14 +242,14 @@ def test_docker_compose_config_accepts_the_stack(files: list[Path]) -> None:
     for f in files:
         args += ["-f", str(f)]
     merged = yaml.safe_load(check([*args, "config"], cwd=ROOT, env={**os.environ, "RLBUS_RUN__ID": "t1"}))
-    assert set(merged["services"]) == {"nats", *RLBUS_SERVICES}
+    assert set(merged["services"]) >= {"nats", "bus-credentials", *RLBUS_SERVICES}
     assert merged["services"]["rollout"]["environment"]["RLBUS_RUN__ID"] == "t1"
 
 
 def test_compose_stack_layout() -> None:
     spec = load_yaml(COMPOSE_FILES[0])
     services = spec["services"]
-    assert set(services) == {"nats", *RLBUS_SERVICES}
+    assert set(services) == {"nats", *RLBUS_SERVICES, *COMPOSE_TOOLS}
 
     nats = services["nats"]
     assert nats["image"] == "${NATS_IMAGE:-nats:2.10-alpine}"
@@ -272,6 +274,22 @@ def test_compose_stack_layout() -> None:
         assert int(env["RLBUS_RUN__HEALTH_PORT"]) == HEALTH_PORT
         assert f"{HEALTH_PORT}/healthz" in " ".join(svc["healthcheck"]["test"]), name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert env["RLBUS_BUS__NKEYS_SEED"] == "/creds/seed.nk", name
+        creds = [v for v in svc["volumes"] if v.split(":")[0].startswith("creds-")]
+        assert creds == [f"creds-{name}:/creds:ro"], f"{name} must mount its own role's key and no other"
+    # The bus is closed: NATS starts only after the keys exist, loads its users, and is not on the host.
+    assert nats["depends_on"]["bus-credentials"]["condition"] == "service_completed_successfully"
+    assert "creds-server:/etc/nats/auth:ro" in nats["volumes"]
+    assert 'include "auth/auth.conf"' in (COMPOSE / "nats.conf").read_text()
+    assert "ports" not in nats
+    maker = services["bus-credentials"]
+    assert maker["command"][:2] == ["rlbus", "bus-credentials"] and maker["restart"] == "no"
+    role_volumes = {v.split(":")[0] for v in maker["volumes"] if v.startswith("creds-")}
+    assert role_volumes == {f"creds-{r}" for r in ("server", "learner", "rollout", "reward", "ref", "reader")}
+    assert role_volumes <= set(spec["volumes"])
+    assert services["status"]["volumes"][-1] == "creds-reader:/creds:ro"
+    published = load_yaml(COMPOSE / "docker-compose.ports.yml")["services"]["nats"]["ports"]
+    assert all(p.startswith("127.0.0.1:") for p in published)  # asked for: on loopback only
     # `docker compose up --scale rollout=N` needs no fixed name and no host ports.
     assert "container_name" not in services["rollout"] and "ports" not in services["rollout"]
     text = COMPOSE_FILES[0].read_text()
@@ -323,6 +341,14 @@ def test_env_example_names_only_known_variables() -> None:
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_unprivileged_and_hold_on_refusal(path: Path) -> None:
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1].split(":")[0] not in ("0", "root"), "the image's last USER must not be root"
+    assert "ENV RLBUS_RUN__ON_REFUSAL=hold" in lines
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfiles_lint_clean(path: Path) -> None:
     # DL3008 (pin apt package versions) is not practical for base-image packages.
     check([tool("hadolint"), "--ignore", "DL3008", "--failure-threshold", "warning", str(path)])
@@ -347,8 +373,17 @@ def test_dockerfiles_copy_what_exists_and_install_rlbus(path: Path) -> None:
 
 
 def test_nats_configs_are_accepted_by_nats_server(tmp_path: Path) -> None:
+    from rlbus.bus.stack_credentials import SERVER_DIR, write_stack_credentials
+    from rlbus.bus.subjects import RunNames
+
     server = tool("nats-server")
-    check([server, "-c", str(COMPOSE / "nats.conf"), "-js", "-sd", str(tmp_path / "c"), "-t"])
+    # As compose mounts them: nats.conf at /etc/nats/rlbus.conf, the one-shot's server folder at /etc/nats/auth.
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    shutil.copy(COMPOSE / "nats.conf", etc / "rlbus.conf")
+    write_stack_credentials(tmp_path / "creds", RunNames("demo"), needs_ref=False)
+    (etc / "auth").symlink_to(tmp_path / "creds" / SERVER_DIR)
+    check([server, "-c", str(etc / "rlbus.conf"), "-js", "-sd", str(tmp_path / "c"), "-t"])
     k8s_conf = tmp_path / "k8s-nats.conf"
     k8s_conf.write_text(k8s_find("ConfigMap", "nats-config")["data"]["nats.conf"])
     env = {**os.environ, "POD_NAME": "nats-0", "NATS_TOKEN": "t"}

@@ -117,6 +117,16 @@ def authorization_block(users: list[RoleUser], names: RunNames, needs_ref: bool)
     return "authorization " + json.dumps({"users": entries}, indent=1)
 
 
+def nkey_authorization_block(public_keys: dict[Role, str], names: RunNames, needs_ref: bool) -> str:
+    """The `authorization {}` block of a stack whose processes share one NKey per role (compose): the
+    server holds only public keys, and a role's rights do not depend on which replica connects."""
+    entries = [
+        {"nkey": key, "permissions": role_permissions(role, names, "", needs_ref)}
+        for role, key in sorted(public_keys.items())
+    ]
+    return "authorization " + json.dumps({"users": entries}, indent=1)
+
+
 def write_reader(users: list[RoleUser], folder: Path) -> Path:
     """The reader's credentials, readable only by their owner, for `rlbus status` on this run."""
     reader = next(u for u in users if u.role == "reader")

@@ -54,6 +54,12 @@ class RunConfig(Section):
         "torch and transformers (a start or restart skips 2-4 s of imports); exec = a fresh "
         "`python -m rlbus.cli` each, as compose and k8s start them",
     )
+    on_refusal: Literal["exit", "hold"] = Field(
+        "exit",
+        description="a service that refuses its configuration: exit 2 (rlbus up, Slurm stop the run), or "
+        "hold, unready, until stopped (rlbus's images: compose and k8s would restart-loop an exit). Read "
+        "from RLBUS_RUN__ON_REFUSAL before the config loads, so a refused config holds too",
+    )
 
 
 class DataConfig(Section):

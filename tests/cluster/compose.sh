@@ -5,7 +5,9 @@
 #   2. `--scale rollout=3` mid-run: three replicas get the current weights and generate (`rlbus status`);
 #   3. the reward swapped mid-run as the compose file's comment tells users (`up -d --no-deps reward`
 #      with a user function), nothing lost;
-#   4. `docker kill` of one rollout container mid-run: its work is redelivered, the run completes.
+#   4. `docker kill` of one rollout container mid-run: its work is redelivered, the run completes;
+#   5. the bus is closed (anonymous refused, the rollout key cannot publish ready groups, no root), and a
+#      service that refuses its config (exit 2) holds, unhealthy, with no restart.
 #
 # It starts its own dockerd (Debian's docker.io) on its own socket; no registry is reachable here, so
 # the base image is made with debootstrap (the host's CA certificates and torch CPU wheel inside) and
@@ -44,7 +46,7 @@ export TORCH_INDEX_URL=""                     # torch is in the base image
 NATS_IMAGE=rlbus-ci/nats:$("$REPO/.venv/bin/nats-server" --version | grep -o 'v[0-9][0-9.]*')
 export NATS_IMAGE
 export IMAGE_CPU=rlbus:ci-cpu
-COMPOSE=(docker-compose -f compose/docker-compose.yml -f tests/cluster/compose.ci.yml)
+COMPOSE=(docker-compose -f compose/docker-compose.yml -f compose/docker-compose.ports.yml -f tests/cluster/compose.ci.yml)
 SWAPPED=("${COMPOSE[@]}" -f tests/cluster/reward-swap.yml)
 DOCKERD_PID=""
 T0=$SECONDS
@@ -187,9 +189,14 @@ wait_step() {  # $1 = step, $2 = seconds
         sleep 1
     done
 }
-status() {
-    RLBUS_BUS__URL=nats://127.0.0.1:$NATS_PORT "$REPO/.venv/bin/rlbus" status 2>&1
+seed() {  # $1 = role: its NKey, copied out of the one-shot bus-credentials container's volume
+    [[ -s $WORK/$1.nk ]] || "$DOCKER" cp "$(container_any bus-credentials)":/creds/"$1"/seed.nk "$WORK/$1.nk"
+    echo "$WORK/$1.nk"
 }
+status() {  # as the read-only reader, from the host (NATS published on loopback by docker-compose.ports.yml)
+    RLBUS_BUS__URL=nats://127.0.0.1:$NATS_PORT RLBUS_BUS__NKEYS_SEED=$(seed reader) "$REPO/.venv/bin/rlbus" status 2>&1
+}
+container_any() { "${COMPOSE[@]}" ps -a -q "$1" | head -1; }
 states() { "$DOCKER" ps -a --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" --format '{{.Names}} {{.Status}}'; }
 
 # ---- 1. up ---------------------------------------------------------------------------------------
@@ -197,6 +204,15 @@ states() { "$DOCKER" ps -a --filter "label=com.docker.compose.project=$COMPOSE_P
 log "stack up: $(states | tr '\n' ';')"
 wait_step 3 300
 log "training: step $(step)"
+
+# ---- the bus is closed: no anonymous client, and each role publishes only what it owns -----------------
+"$REPO/.venv/bin/python" tests/cluster/auth_probe.py "nats://127.0.0.1:$NATS_PORT" "$RLBUS_RUN__ID" \
+    "$(seed rollout)" || { log "the compose stack's bus is not closed as it must be"; exit 1; }
+for svc in learner rollout reward; do
+    user=$("$DOCKER" exec "$(container "$svc")" id -u)
+    (( user != 0 )) || { log "$svc runs as root"; exit 1; }
+done
+log "bus closed: anonymous refused, the rollout key cannot publish ready groups; services run as uid $user"
 
 # ---- 2. scale rollout to 3 mid-run ----------------------------------------------------------------
 "${COMPOSE[@]}" up -d --no-deps --no-build --scale rollout=3 rollout > "$WORK/scale.log" 2>&1 || { cat "$WORK/scale.log"; exit 1; }
@@ -304,8 +320,25 @@ rc=$(timeout 900 "$DOCKER" wait "$learner") || { log "learner did not finish"; e
 (( rc == 0 )) || { "$DOCKER" logs --tail 40 "$learner"; log "learner exited $rc"; exit 1; }
 log "learner finished, exit 0; containers: $(states | tr '\n' ';')"
 
+# ---- 5. a refused configuration holds instead of restart-looping ------------------------------------------
+"${COMPOSE[@]}" -f tests/cluster/refused.yml up -d --no-deps --no-build reward > "$WORK/refused.log" 2>&1 \
+    || { cat "$WORK/refused.log"; exit 1; }
+refused=$(container reward)
+deadline=$((SECONDS + 90))
+until "$DOCKER" logs "$refused" 2>&1 | grep -q 'holding instead of exiting'; do
+    (( SECONDS < deadline )) || { "$DOCKER" logs --tail 20 "$refused"; log "the refused reward did not hold"; exit 1; }
+    sleep 1
+done
+"$DOCKER" logs "$refused" 2>&1 | grep -q 'temprature' || { log "the refusal does not name the key"; exit 1; }
+read -r running restarts < <("$DOCKER" inspect -f '{{.State.Running}} {{.RestartCount}}' "$refused")
+[[ $running == true && $restarts == 0 ]] || { log "refused reward: running=$running restarts=$restarts"; exit 1; }
+if "$DOCKER" exec "$refused" python -c "import sys, urllib.request; sys.exit(not urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=3).read().startswith(b'ok'))"; then
+    log "the refused reward passes the compose healthcheck"; exit 1
+fi
+log "a refused reward holds: running, 0 restarts, unhealthy, the misspelt key named in its log"
+
 mkdir -p "$WORK/run"
 "$DOCKER" cp "$learner:/runs/$RLBUS_RUN__ID/." "$WORK/run/"
 "$REPO/.venv/bin/python" tests/cluster/check_run.py "$WORK/run" --steps "$CI_STEPS" --rises reward/accuracy
 "${SWAPPED[@]}" down -v --timeout 10 > /dev/null 2>&1
-log "PASSED: up, scale to 3, reward swap, replica kill; stack down"
+log "PASSED: closed bus, up, scale to 3, reward swap, replica kill, refusal held; stack down"
