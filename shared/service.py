@@ -54,6 +54,12 @@ class ServiceContext:
         gc.freeze()
         self.status = "ready"
 
+    def _duplicate_conflicts(self) -> int:
+        """Publishes this process made that JetStream dropped because another message held their id."""
+        from rlbus.bus.duplicates import DuplicateVerdict
+
+        return int(getattr(self.bus, "duplicates", {}).get(DuplicateVerdict.DIFFERENT, 0))
+
     def beat_soon(self) -> None:
         """Heartbeat at the next status poll rather than the next interval: the learner waits for a fresh beat
         from each member of a failed weight push before it forms the next group."""
@@ -79,7 +85,7 @@ class ServiceContext:
             policy_version=self.policy_version,
             time=time.time(),
             status=self.status,
-            stats=dict(self.stats),
+            stats={**self.stats, "duplicate_conflicts": float(self._duplicate_conflicts())},
             host=socket.gethostname(),
             device=self.device,
             incarnation=self.incarnation,

@@ -32,6 +32,7 @@ from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
 from rlbus.bus.consumer import Consumer
 from rlbus.bus.disconnects import unless_disconnected
+from rlbus.bus.duplicates import DIGEST_HEADER, DuplicateVerdict, compare_duplicate, payload_digest
 from rlbus.bus.headers import (
     _NAME_RE,
     CLAIM_HEADER,
@@ -95,6 +96,7 @@ class Bus:
         self.cfg = cfg or BusConfig()
         self._obs: ObjectStore | None = None
         self._state: RunState | None = None
+        self.duplicates: dict[DuplicateVerdict, int] = dict.fromkeys(DuplicateVerdict, 0)
 
     @property
     def run_id(self) -> str:
@@ -269,11 +271,33 @@ class Bus:
         data = encode(message)
         hdrs = {KIND_HEADER: message.kind, **(headers or {})}
         hdrs[MSG_ID_HEADER] = msg_id if msg_id is not None else f"auto-{self.nc._nuid.next().decode()}"
+        hdrs[DIGEST_HEADER] = payload_digest(data)
         subject, stream = self.names.subject(stage), self.names.stream(stage)
         if len(data) <= self.inline_limit:
             ack = await self._js_publish(subject, data, stream, hdrs, what=f"publish {stage.value}")
-            return PublishResult(ack.stream, ack.seq, bool(ack.duplicate), len(data))
-        return await self._publish_claim(stage, subject, stream, data, hdrs, message.kind)
+            result = PublishResult(ack.stream, ack.seq, bool(ack.duplicate), len(data))
+        else:
+            result = await self._publish_claim(stage, subject, stream, data, hdrs, message.kind)
+        if result.duplicate:
+            await self._judge_duplicate(result, hdrs)
+        return result
+
+    async def _judge_duplicate(self, result: PublishResult, hdrs: dict[str, str]) -> None:
+        """Counts a dropped duplicate by verdict; another message kept under this id is logged as an error."""
+        try:
+            verdict = await compare_duplicate(self.js, result.stream, result.seq, hdrs[DIGEST_HEADER])
+        except Exception as exc:  # noqa: BLE001 - the server is away: the duplicate stays uncounted
+            log.debug("bus.duplicate_unchecked", msg_id=hdrs[MSG_ID_HEADER], error=str(exc))
+            return
+        self.duplicates[verdict] += 1
+        if verdict is DuplicateVerdict.DIFFERENT:
+            log.error(
+                "bus.duplicate_conflict: another message was kept under this msg id; this one was dropped",
+                msg_id=hdrs[MSG_ID_HEADER],
+                stream=result.stream,
+                kept_seq=result.seq,
+                digest=hdrs[DIGEST_HEADER],
+            )
 
     async def _js_publish(
         self, subject: str, data: bytes, stream: str | None, hdrs: dict[str, str], what: str
