@@ -508,6 +508,12 @@ def test_k8s_learner_runs_torchrun_across_pods() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert "--nnodes=$(NNODES)" in argv and int(env["NNODES"]["value"]) == sts["spec"]["replicas"]
     assert "--node-rank=$(NODE_RANK)" in argv
+    # Every rank's shard of a checkpoint survives any pod's restart: /runs is one ReadWriteMany claim.
+    runs_mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/runs")
+    pod_volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    claim = pod_volumes[runs_mount["name"]]["persistentVolumeClaim"]["claimName"]
+    assert k8s_find("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "volumeClaimTemplates" not in sts["spec"]
     assert (
         env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
         == "metadata.labels['apps.kubernetes.io/pod-index']"
