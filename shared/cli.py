@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "export-hf",
     "train",
     "bus-credentials",
+    "check",
 )
 # Long-running services, the ones a container supervisor would restart after a refusal (rlbus.refusal_hold).
 SERVICE_COMMANDS: frozenset[str] = frozenset({"up", "train", "learner", "rollout", "reward", "ref"})
@@ -142,6 +143,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rlbus.config.warnings import inert_key_warnings
+    from rlbus.launcher import start_problems, visible_gpus
+
+    cfg = _load(args)
+    for warning in inert_key_warnings(cfg):
+        print(f"rlbus check: warning: {warning}", file=sys.stderr)
+    problems = start_problems(cfg, visible_gpus())
+    for problem in problems:
+        print(f"rlbus check: refused: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    print(f"rlbus check: run {cfg.run.id} can start")
+    return 0
+
+
 def _cmd_bus_credentials(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -191,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--watch", action="store_true")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("check", help="pre-flight: what would stop the run at its start (models, data, ...)")
+    _config_args(p)
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser(
         "bus-credentials", help="per-role NKeys and the NATS server's auth block for a compose stack"

@@ -228,6 +228,14 @@ def check_placement(cfg: RlbusConfig, gpus: int) -> str | None:
     return None
 
 
+def start_problems(cfg: RlbusConfig, gpus: int) -> list[str]:
+    """Everything that would stop the run at its start (rlbus.preflight and the checks above), as lines."""
+    from rlbus.preflight import preflight
+
+    found = [p for p in (check_loggers(cfg), check_placement(cfg, gpus)) if p]
+    return found + [str(p) for p in preflight(cfg)]
+
+
 def gpu_env(gpus: int) -> dict[str, str]:
     """Learner and rollout share a GPU on a one-GPU box: expandable segments keep either from holding
     fragmented blocks the other needs (the user's own setting wins)."""
@@ -329,12 +337,20 @@ def tend(procs: list[ServiceProcess], supervisor: Supervisor, cfg: RlbusConfig) 
     return None
 
 
+def why(log_path: Path) -> str:
+    """': <the last error in the log>' for the console's last line, or '' when the log names none."""
+    from rlbus.log_reasons import last_error
+
+    reason = last_error(log_path)
+    return f": {reason}" if reason else ""
+
+
 def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> None:
     """The last line a user reads when the run did not end well: which service, why, which log."""
     if outcome.refused is not None:
         where = outcome.refused.log_path
         print(
-            f"rlbus: {outcome.refused.name} refused its configuration; see {where}",
+            f"rlbus: {outcome.refused.name} refused its configuration{why(where)}; see {where}",
             file=sys.stderr,
             flush=True,
         )
@@ -342,7 +358,7 @@ def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> 
         p, code = outcome.gave_up
         print(
             f"rlbus: {p.name} kept dying (exit {code} after {cfg.run.max_restarts} restarts, "
-            f"run.max_restarts={cfg.run.max_restarts}); stopping the run; see {p.log_path}",
+            f"run.max_restarts={cfg.run.max_restarts}){why(p.log_path)}; stopping the run; see {p.log_path}",
             file=sys.stderr,
             flush=True,
         )
@@ -353,9 +369,10 @@ def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> 
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
     gpus = visible_gpus()
-    refused = check_loggers(cfg) or check_placement(cfg, gpus)
+    refused = start_problems(cfg, gpus)
     if refused:
-        print(f"rlbus: refused: {refused}", file=sys.stderr, flush=True)
+        for problem in refused:
+            print(f"rlbus: refused: {problem}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     from rlbus.config.warnings import inert_key_warnings
 

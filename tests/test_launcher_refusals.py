@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -15,3 +16,26 @@ def test_missing_wandb_is_refused_before_anything_starts(tmp_path: Path, nats_ur
     done = rlbus_up(tmp_path, nats_url, run_id, "trainer.logger=['console','wandb']", timeout=60)
     assert done.returncode == 2, done.stderr
     assert "trainer.logger names wandb, which is not installed" in done.stderr
+
+
+def test_a_refused_reward_function_has_its_reason_on_the_console(
+    tmp_path: Path, nats_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reward service refuses a function that cannot take the call (exit 2): `rlbus up` stops, and its
+    last line says why, not only which log to open."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir + ":" + os.environ.get("PYTHONPATH", ""))
+    done = rlbus_up(
+        tmp_path,
+        nats_url,
+        run_id,
+        "reward.type=function",
+        "reward.function=reward_fns:two_arguments",
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert (
+        "reward refused its configuration: " in last
+        and "cannot be called as fn(prompt, response, meta)" in last
+    )
