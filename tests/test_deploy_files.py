@@ -50,7 +50,7 @@ DOCKERFILES = [COMPOSE / "Dockerfile.cpu", COMPOSE / "Dockerfile.cuda"]
 K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 SBATCH = SLURM / "rlbus.sbatch"
 RLBUS_SERVICES = ("learner", "rollout", "reward", "ref")
-COMPOSE_TOOLS = ("bus-credentials", "status")  # the one-shot key maker, and `run --rm status` (profile tools)
+COMPOSE_TOOLS = ("check", "bus-credentials", "status")  # one-shots (pre-flight, keys), `run --rm status`
 HEALTH_PORT = 8080
 
 # The CLI contract (used until rlbus.cli exports SUBCOMMANDS) and the module entry points.
@@ -242,7 +242,7 @@ def test_docker_compose_config_accepts_the_stack(files: list[Path]) -> None:
     for f in files:
         args += ["-f", str(f)]
     merged = yaml.safe_load(check([*args, "config"], cwd=ROOT, env={**os.environ, "RLBUS_RUN__ID": "t1"}))
-    assert set(merged["services"]) >= {"nats", "bus-credentials", *RLBUS_SERVICES}
+    assert set(merged["services"]) >= {"nats", "check", "bus-credentials", *RLBUS_SERVICES}
     assert merged["services"]["rollout"]["environment"]["RLBUS_RUN__ID"] == "t1"
 
 
@@ -274,6 +274,7 @@ def test_compose_stack_layout() -> None:
         assert int(env["RLBUS_RUN__HEALTH_PORT"]) == HEALTH_PORT
         assert f"{HEALTH_PORT}/healthz" in " ".join(svc["healthcheck"]["test"]), name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert svc["depends_on"]["check"]["condition"] == "service_completed_successfully", name
         assert env["RLBUS_BUS__NKEYS_SEED"] == "/creds/seed.nk", name
         creds = [v for v in svc["volumes"] if v.split(":")[0].startswith("creds-")]
         assert creds == [f"creds-{name}:/creds:ro"], f"{name} must mount its own role's key and no other"
@@ -282,6 +283,7 @@ def test_compose_stack_layout() -> None:
     assert "creds-server:/etc/nats/auth:ro" in nats["volumes"]
     assert 'include "auth/auth.conf"' in (COMPOSE / "nats.conf").read_text()
     assert "ports" not in nats
+    assert services["check"]["command"][:2] == ["rlbus", "check"] and services["check"]["restart"] == "no"
     maker = services["bus-credentials"]
     assert maker["command"][:2] == ["rlbus", "bus-credentials"] and maker["restart"] == "no"
     role_volumes = {v.split(":")[0] for v in maker["volumes"] if v.startswith("creds-")}

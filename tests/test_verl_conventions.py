@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlbus.config import load_config
+from rlbus.config import ConfigError, load_config
 from rlbus.config.warnings import inert_key_warnings
 from rlbus.learner.algorithms.advantages import grpo_advantages, rloo_advantages
 from rlbus.learner.algorithms.policy_loss import actor_policy_loss
@@ -78,3 +78,17 @@ def test_tensorboard_dir_follows_verl(tmp_path, monkeypatch) -> None:
     assert tensorboard_dir(tmp_path / "run", "gsm8k", "qwen-grpo") == tmp_path / "tb" / "gsm8k" / "qwen-grpo"
     monkeypatch.delenv("TENSORBOARD_DIR")
     assert tensorboard_dir(tmp_path / "run", "gsm8k", "qwen-grpo") == tmp_path / "run" / "tensorboard"
+
+
+def test_verls_policy_loss_mode_spelling_selects_the_loss() -> None:
+    """verl's current `actor_rollout_ref.actor.policy_loss.loss_mode=gspo` selects GSPO, in an override and in
+    YAML; a mode rlbus does not have is refused naming the ones it has."""
+    cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+    assert cfg.actor.policy_loss == "gspo"
+    with pytest.raises(ConfigError, match="unknown policy loss 'kl-cov'.*vanilla, dual_clip, gspo"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=kl-cov"])
+
+
+def test_the_deploy_guides_rollout_micro_batch_is_the_prompts_a_replica_generates_together() -> None:
+    cfg = load_config(None, ["actor_rollout_ref.rollout.micro_batch_size_per_gpu=16"])
+    assert cfg.rollout.prompts_per_batch == 16

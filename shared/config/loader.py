@@ -32,6 +32,7 @@ VERL_ALIASES: dict[str, str] = {
     "actor.fsdp_config.param_offload": "actor.param_offload",
     "actor.fsdp_config.optimizer_offload": "actor.optimizer_offload",
     "actor.grad_clip": "actor.optim.grad_clip",
+    "actor.policy_loss.loss_mode": "actor.policy_loss",  # verl's current spelling (vanilla, gspo, ...)
     "actor.optim.warmup_style": "actor.optim.lr_scheduler",
     "actor.optim.lr_scheduler_type": "actor.optim.lr_scheduler",
     "critic.grad_clip": "critic.optim.grad_clip",
@@ -40,6 +41,9 @@ VERL_ALIASES: dict[str, str] = {
     "ref.log_prob_micro_batch_size_per_gpu": "ref.micro_batch_size",
     "ref.log_prob_micro_batch_size": "ref.micro_batch_size",
     "rollout.tensor_parallel_size": "rollout.tensor_model_parallel_size",
+    # the deployment guide's rollout micro-batch "that drives inference throughput": prompts a replica
+    # generates together (each with its rollout.n samples)
+    "rollout.micro_batch_size_per_gpu": "rollout.prompts_per_batch",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "reward_model.reward_manager": "reward.manager",
     "reward_model.micro_batch_size_per_gpu": "reward_model.micro_batch_size",

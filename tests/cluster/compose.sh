@@ -7,7 +7,8 @@
 #      with a user function), nothing lost;
 #   4. `docker kill` of one rollout container mid-run: its work is redelivered, the run completes;
 #   5. the bus is closed (anonymous refused, the rollout key cannot publish ready groups, no root), and a
-#      service that refuses its config (exit 2) holds, unhealthy, with no restart.
+#      service that refuses its config (exit 2) holds, unhealthy, with no restart;
+#   6. a model path that does not exist stops `up` at the pre-flight one-shot, no service started.
 #
 # It starts its own dockerd (Debian's docker.io) on its own socket; no registry is reachable here, so
 # the base image is made with debootstrap (the host's CA certificates and torch CPU wheel inside) and
@@ -228,9 +229,9 @@ for c in $("${COMPOSE[@]}" ps -q rollout); do
 done
 log "scaled: 3 rollout replicas alive, each received weights and generated (step $(step))"
 
-# every container healthy (the healthcheck runs every 15 s), but the one-shot that made the keys and left
+# every container healthy (the healthcheck runs every 15 s), but the one-shots (pre-flight, keys) that left
 deadline=$((SECONDS + 120))
-until ! states | grep -v '(healthy)' | grep -v '_bus-credentials_[0-9]* Exited (0)' | grep -q .; do
+until ! states | grep -v '(healthy)' | grep -Ev '_(bus-credentials|check)_[0-9]* Exited \(0\)' | grep -q .; do
     (( SECONDS < deadline )) || { states; log "not every service became healthy"; exit 1; }
     sleep 3
 done
@@ -341,4 +342,17 @@ mkdir -p "$WORK/run"
 "$DOCKER" cp "$learner:/runs/$RLBUS_RUN__ID/." "$WORK/run/"
 "$REPO/.venv/bin/python" tests/cluster/check_run.py "$WORK/run" --steps "$CI_STEPS" --rises reward/accuracy
 "${SWAPPED[@]}" down -v --timeout 10 > /dev/null 2>&1
-log "PASSED: closed bus, up, scale to 3, reward swap, replica kill, refusal held; stack down"
+
+# ---- 6. a model path that does not exist stops the stack at pre-flight, nothing restart-loops -----------
+BAD_MODEL=("${COMPOSE[@]}" -f tests/cluster/bad-model.yml)
+if "${BAD_MODEL[@]}" up -d --no-build > "$WORK/bad-model.log" 2>&1; then
+    cat "$WORK/bad-model.log"; log "the stack came up with a model path that does not exist"; exit 1
+fi
+"$DOCKER" logs "$(container_any check)" 2>&1 | grep -q 'refused: model.path: /models/absent does not exist' \
+    || { "$DOCKER" logs "$(container_any check)"; log "the pre-flight did not name model.path"; exit 1; }
+for svc in learner rollout reward ref; do
+    [[ -z $(container_any "$svc") ]] || { states; log "$svc was started despite the failed pre-flight"; exit 1; }
+done
+"${BAD_MODEL[@]}" down -v --timeout 10 > /dev/null 2>&1
+log "a missing model dir stops the stack at pre-flight (check exited 2 naming model.path; no service started)"
+log "PASSED: closed bus, up, scale to 3, reward swap, replica kill, refusal held, pre-flight; stack down"
