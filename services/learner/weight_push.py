@@ -14,6 +14,7 @@ longer than the push timeout, and a push that keeps failing for the same reason 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import re
 import socket
@@ -26,6 +27,7 @@ import torch
 
 from rlbus.learner.per_tensor_push import PerTensorPush
 from rlbus.learner.push_members import PushMembership
+from rlbus.learner.push_paths import GroupPath, IpcPath, PushPath, TensorPath
 from rlbus.messages import (
     IpcBuffer,
     TensorGroup,
@@ -38,7 +40,6 @@ from rlbus.service import ServiceContext
 from rlbus.weight_ipc import IpcWeightSender
 from rlbus.weight_sync import (
     Backend,
-    RendezvousTimeout,
     SendPlan,
     WeightSender,
     WeightSyncError,
@@ -238,28 +239,35 @@ class WeightPusher:
         ann = self._announcement(
             version, plan, (port, world, ranks, backend, new_group), ipc_ids, ipc_buffer, tensor_group
         )
+        paths: list[PushPath] = []
+        if ipc_ids:
+            paths.append(IpcPath(ipc_ids))
+        if group_ids:
+            assert self.sender is not None  # made while preparing, for the group
+            holders = functools.partial(self._holders, ranks, live)
+            paths.append(
+                GroupPath(group_ids, self.sender, port, world, new_group, self.epoch, holders, self.ctx.log)
+            )
+        if tensor_group is not None:
+            paths.append(TensorPath(tensor_ids, self.per_tensor, tensor_group, self.epoch))
         while not self._acks.empty():  # acks of an earlier push that timed out
             self._acks.get_nowait()
         await self.ctx.state.put_announcement(encode(ann))
-        if ipc_ids:  # their acks are collected before the next refill, not here: the step goes on meanwhile
-            self._acks_due = (version, self.epoch, set(ipc_ids))
-        if group_ids:
-            error, missing = await self._send_group(named_weights, plan, port, world, new_group)
-            if error:
+        settled: list[str] = []
+        for path in paths:
+            outcome = await path.deliver(named_weights, plan)
+            if outcome.error:
                 self.transports = None
-                await self._blame(group_ids, self._holders(ranks, live, missing), error)
-                return self._failed(version, error, "group")
-            self.streaks.pop("group", None)
-        if tensor_group is not None:
-            error = await self.per_tensor.send(tensor_group, self.epoch, named_weights)
-            if error:
-                self.transports = None
-                await self._blame(tensor_ids, None, error)
-                return self._failed(version, error, "tensor")
-            self.streaks.pop("tensor", None)
+                await self._blame(path.replicas, outcome.to_blame, outcome.error)
+                return self._failed(version, outcome.error, path.name)
+            if outcome.settled:
+                self.streaks.pop(path.name, None)
+                settled += path.replicas
+            else:  # acks are collected before the next refill, not here: the step goes on meanwhile
+                self._acks_due = (version, self.epoch, set(path.replicas))
         self.transports, self.ranks = transports, ranks
         self.incarnations = {rid: live[rid].incarnation for rid in transports}
-        await self.membership.succeeded(group_ids + tensor_ids)
+        await self.membership.succeeded(settled)
         self.port = port
         self.pushed_version = version
         self.last_seconds = time.perf_counter() - t0
@@ -345,35 +353,11 @@ class WeightPusher:
         return self.sender.plan(named_weights()), None
 
     @staticmethod
-    def _holders(
-        ranks: dict[str, int], live: dict[str, LiveReplica], missing: tuple[int, ...] | None
-    ) -> list[str] | None:
-        """The replicas holding the group ranks that missed the rendezvous (None: it cannot be told who)."""
-        if not missing:
-            return None
+    def _holders(ranks: dict[str, int], live: dict[str, LiveReplica], missing: tuple[int, ...]) -> list[str]:
+        """The replicas holding the group ranks that missed the rendezvous."""
         return sorted(
             rid for rid, first in ranks.items() if any(first <= r < first + live[rid].ranks for r in missing)
         )
-
-    async def _send_group(
-        self, named_weights, plan: SendPlan, port: int, world: int, new_group: bool
-    ) -> tuple[str, tuple[int, ...] | None]:
-        """(error, ranks missing at the rendezvous); ("", None) when the group took the push."""
-        assert self.sender is not None
-        try:
-            if new_group:
-                self.ctx.log.info(
-                    "forming weight group", epoch=self.epoch, world=world, backend=self.sender.backend
-                )
-                await asyncio.to_thread(self.sender.open, port, world, self.epoch)
-            await asyncio.to_thread(self.sender.send, named_weights(), plan)
-        except RendezvousTimeout as exc:
-            self.sender.close()
-            return str(exc), exc.missing
-        except WeightSyncError as exc:
-            self.sender.close()
-            return str(exc), None
-        return "", None
 
     async def _settle_acks(self) -> None:
         """Acks of the last CUDA IPC push. A replica that read a bad copy or stayed silent makes that push a
