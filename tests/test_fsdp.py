@@ -417,6 +417,7 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
             "rollout.device=cpu",
             "model.use_remove_padding=true",
             "actor.ppo_micro_batch_size=4",
+            "trainer.save_freq=3",
         ],
     )
     run = Run(cfg)
@@ -450,6 +451,12 @@ def test_torchrun_learner_service_two_ranks(nats_url: str, run_id: str, tmp_path
     assert all(np.isfinite(r["actor/loss"]) for r in rows)
     assert "version=3" in replica and "weights updated" in replica
     assert (run.run_dir / "final" / "config.json").is_file()
+    # Both ranks see one folder here: one collective checkpoint, rank 0's metadata over both shards.
+    from rlbus.learner.checkpoint import latest_checkpoint, read_meta
+
+    newest = latest_checkpoint(run.run_dir / "checkpoints")
+    assert newest is not None and read_meta(newest)["layout"] == "collective"
+    assert sorted(p.name for p in (newest / "state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def _reference_varlen_attn(

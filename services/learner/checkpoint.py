@@ -13,26 +13,28 @@ Atomicity: everything is written to `step_N.tmp/`, the marker last, then the dir
 `step_N/`. A crash while saving leaves at most a `.tmp` directory, which `latest_checkpoint` ignores
 and the next save or `prune_checkpoints` removes. Model and optimizer go through
 `get_state_dict`/`set_state_dict`, so the same code saves a plain module, DDP or FSDP2 (sharded DTensors,
-one DCP shard per rank, written collectively); JSON files are written by rank 0 only.
+one DCP shard per rank, written collectively); JSON files are written by rank 0 only. Where the ranks do
+not share a filesystem, each writes a checkpoint of its own shard, complete in itself (rlbus.learner.
+checkpoint_layout: meta.json's "layout" is "per_rank").
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
+
+from rlbus.learner.checkpoint_layout import COLLECTIVE, PER_RANK, checkpoint_layout, common_step
+from rlbus.learner.rng_state import rng_state, set_rng_state
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
@@ -74,6 +76,13 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def common_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest checkpoint complete on every learner rank (collective call under torch.distributed):
+    where each rank keeps its own folder, a rank may have died before sealing the newest one."""
+    step = common_step([step for step, _ in list_checkpoints(root)])
+    return None if step is None else step_dir(root, step)
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     found = list_checkpoints(root)
     return found[-1][1] if found else None
@@ -103,12 +112,13 @@ def checkpoint_step(path: str | os.PathLike) -> int:
 
 
 def prune_checkpoints(
-    root: str | os.PathLike, keep: int, is_kept: Callable[[int], bool] | None = None
+    root: str | os.PathLike, keep: int, is_kept: Callable[[int], bool] | None = None, own_folder: bool = False
 ) -> list[Path]:
     """Removes all but the newest `keep` complete checkpoints, and stale `.tmp`/`.old` leftovers. With
     `is_kept`, only the steps it names count as kept ones (save_freq); the others (rolling checkpoints)
-    are removed unless one is the newest checkpoint of all."""
-    if _rank() != 0:
+    are removed unless one is the newest checkpoint of all. Rank 0 prunes, and a rank > 0 with
+    `own_folder` (the per-rank layout: a folder no other rank sees)."""
+    if _rank() != 0 and not own_folder:
         return []
     root = Path(root)
     removed: list[Path] = []
@@ -193,40 +203,6 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG the learner touches, JSON-able."""
-    np_state = cast(tuple[Any, ...], np.random.get_state(legacy=True))
-    py_state = random.getstate()
-    state: dict[str, Any] = {
-        "torch": _b64(torch.get_rng_state()),
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_unb64(state["torch"]))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = [_unb64(s) for s in state["cuda"]]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-
-
 # ------------------------------------------------------------------------------------------ save / load
 
 
@@ -294,24 +270,30 @@ def save_checkpoint(
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()
     t0 = time.perf_counter()
-    if rank == 0:
+    layout = checkpoint_layout(path.parent)
+    own_folder = rank == 0 or layout == PER_RANK  # this rank makes, fills and seals a folder of its own
+    if own_folder:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         tmp.mkdir(parents=True)
     _barrier()
+    no_dist = layout == PER_RANK  # each rank's shard with metadata of its own
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"), no_dist=no_dist)
     critic = getattr(trainer, "critic", None)
     if critic is not None:  # PPO: the value model resumes too, or GAE restarts from a zero value head
         c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
         with _single_process_quiet():
-            dcp.save({"model": c_model, "optim": c_optim}, checkpoint_id=str(tmp / "critic"))
+            dcp.save({"model": c_model, "optim": c_optim}, checkpoint_id=str(tmp / "critic"), no_dist=no_dist)
     if rank == 0:
-        write_small_files(tmp, checkpoint_meta(trainer, extra), rng_state(), trainer.model, tokenizer)
+        meta = {**checkpoint_meta(trainer, extra), "layout": layout}
+        write_small_files(tmp, meta, rng_state(), trainer.model, tokenizer)
     else:
         _write_json(tmp / f"rng_rank{rank}.json", rng_state())
+        if layout == PER_RANK:  # its own scheduler and KL state; the run's `extra` is rank 0's
+            _write_json(tmp / "meta.json", {**checkpoint_meta(trainer, None), "layout": layout})
     _barrier()
-    if rank == 0:
+    if own_folder:
         seal_checkpoint(tmp, path, t0)
     _barrier()
     return path
@@ -356,6 +338,11 @@ def seal_checkpoint(tmp: Path, path: Path, t0: float) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def is_per_rank(path: str | os.PathLike) -> bool:
+    """Whether this rank wrote `path` in a folder of its own (rlbus.learner.checkpoint_layout)."""
+    return read_meta(path).get("layout", COLLECTIVE) == PER_RANK
+
+
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not is_complete(path):
@@ -374,11 +361,17 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
         raise CheckpointError(
             f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}"
         )
+    if meta.get("layout", COLLECTIVE) == PER_RANK and meta.get("world_size") != _world():
+        raise CheckpointError(
+            f"{path}: each of its {meta.get('world_size')} ranks wrote its own shard to a folder of its own; "
+            f"it resumes only with that many ranks (this run has {_world()})"
+        )
+    no_dist = meta.get("layout", COLLECTIVE) == PER_RANK  # this rank's shard, with its own metadata
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path / "state"))
+            dcp.load(state, checkpoint_id=str(path / "state"), no_dist=no_dist)
     except Exception as exc:
         raise CheckpointError(f"{path}: model/optimizer state does not fit this trainer: {exc}") from exc
     set_state_dict(
@@ -392,7 +385,7 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
         c_model, c_optim = get_state_dict(critic.model, critic.optimizer)
         c_state: dict[str, Any] = {"model": c_model, "optim": c_optim}
         with _single_process_quiet():
-            dcp.load(c_state, checkpoint_id=str(path / "critic"))
+            dcp.load(c_state, checkpoint_id=str(path / "critic"), no_dist=no_dist)
         set_state_dict(
             critic.model,
             critic.optimizer,

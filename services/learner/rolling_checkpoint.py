@@ -26,10 +26,10 @@ from rlbus.learner.checkpoint import (
     _single_process_quiet,
     checkpoint_meta,
     prune_checkpoints,
-    rng_state,
     seal_checkpoint,
     write_small_files,
 )
+from rlbus.learner.rng_state import rng_state
 
 WRITERS = 4  # DCP writer threads of a rolling checkpoint
 

@@ -155,6 +155,8 @@ class Learner:
 
     async def _restore(self, path: Path) -> None:
         t0 = time.perf_counter()
+        if self.cfg.trainer.resume_mode == "auto" and self.trainer.par.world_size > 1:
+            path = await self._common_checkpoint(path)
         restored = await restore(self.trainer, self.loader, path, self.run_dir)
         self.start_step, self.version, self.ledger = restored.step, restored.version, restored.ledger
         self.dispatcher.ledger = self.ledger
@@ -169,6 +171,25 @@ class Learner:
             attempt=self.attempt,
             seconds=round(time.perf_counter() - t0, 2),
         )
+
+    async def _common_checkpoint(self, newest_here: Path) -> Path:
+        """The newest checkpoint every rank completed: where ranks keep folders of their own, one may have
+        died before sealing the step rank 0 sealed."""
+        from rlbus.learner.checkpoint import CheckpointError, common_checkpoint
+
+        self.trainer.par.lead_call("common_checkpoint", root=str(newest_here.parent))
+        agreed = await asyncio.to_thread(common_checkpoint, newest_here.parent)
+        if agreed is None:
+            raise CheckpointError(
+                f"no checkpoint under {newest_here.parent} is complete on every learner rank"
+            )
+        if agreed != newest_here:
+            self.ctx.log.warning(
+                "resuming from an older checkpoint: a rank has not the newest",
+                newest=str(newest_here),
+                agreed=str(agreed),
+            )
+        return agreed
 
     async def push_current(self, reason: str = "start") -> None:
         """Replicas may hold other weights (the crashed attempt pushed after the checkpoint, or an earlier
@@ -220,9 +241,9 @@ class Learner:
         if self.rolling is not None:
             await self.rolling.flush()  # no rolling write beside the kept one (or the prune)
         t0 = time.perf_counter()
-        self.trainer.par.lead_call(
-            "save_checkpoint", path=str(step_dir(root, done))
-        )  # ranks > 0 save alongside
+        self.trainer.par.lead_call(  # ranks > 0 save alongside (and prune a folder of their own)
+            "save_checkpoint", path=str(step_dir(root, done)), keep=self.cfg.trainer.max_ckpt_to_keep
+        )
         path = await asyncio.to_thread(
             save_checkpoint, step_dir(root, done), self.trainer, extra, self.tokenizer
         )

@@ -253,18 +253,9 @@ class WeightPusher:
         while not self._acks.empty():  # acks of an earlier push that timed out
             self._acks.get_nowait()
         await self.ctx.state.put_announcement(encode(ann))
-        settled: list[str] = []
-        for path in paths:
-            outcome = await path.deliver(named_weights, plan)
-            if outcome.error:
-                self.transports = None
-                await self._blame(path.replicas, outcome.to_blame, outcome.error)
-                return self._failed(version, outcome.error, path.name)
-            if outcome.settled:
-                self.streaks.pop(path.name, None)
-                settled += path.replicas
-            else:  # acks are collected before the next refill, not here: the step goes on meanwhile
-                self._acks_due = (version, self.epoch, set(path.replicas))
+        settled = await self._deliver(paths, named_weights, plan, version)
+        if settled is None:
+            return False
         self.transports, self.ranks = transports, ranks
         self.incarnations = {rid: live[rid].incarnation for rid in transports}
         await self.membership.succeeded(settled)
@@ -282,6 +273,26 @@ class WeightPusher:
             seconds=round(self.last_seconds, 4),
         )
         return True
+
+    async def _deliver(
+        self, paths: list[PushPath], named_weights, plan: SendPlan, version: int
+    ) -> list[str] | None:
+        """Each path sends the announced version; returns the replicas that took it now, or None when a
+        path failed (its replicas blamed, the failure counted on its streak)."""
+        settled: list[str] = []
+        for path in paths:
+            outcome = await path.deliver(named_weights, plan)
+            if outcome.error:
+                self.transports = None
+                await self._blame(path.replicas, outcome.to_blame, outcome.error)
+                self._failed(version, outcome.error, path.name)  # raises at the streak's limit
+                return None
+            if outcome.settled:
+                self.streaks.pop(path.name, None)
+                settled += path.replicas
+            else:  # acks are collected before the next refill, not here: the step goes on meanwhile
+                self._acks_due = (version, self.epoch, set(path.replicas))
+        return settled
 
     def _announcement(
         self,

@@ -30,11 +30,22 @@ def _recv_batch(meta: dict) -> TrainBatch:
     return TrainBatch(**kwargs)
 
 
+def _save_checkpoint(trainer: PolicyTrainer, path: str, keep: int = 0) -> None:
+    """This rank's part of a save; in a folder of its own (per-rank layout) it also prunes that folder,
+    keeping what rank 0 keeps (the newest `keep`)."""
+    saved = checkpoint.save_checkpoint(Path(path), trainer)
+    if keep and checkpoint.is_per_rank(saved):
+        checkpoint.prune_checkpoints(saved.parent, keep, own_folder=True)
+
+
 def _builtin_op(name: str) -> Callable[..., Any] | None:
     """The learner loop's collective calls (rank 0 leads them in service.py; every rank runs the function)."""
-    if name in ("save_checkpoint", "load_checkpoint"):
-        fn = getattr(checkpoint, name)
-        return lambda trainer, path: fn(Path(path), trainer)
+    if name == "save_checkpoint":
+        return _save_checkpoint
+    if name == "load_checkpoint":
+        return lambda trainer, path: checkpoint.load_checkpoint(Path(path), trainer)
+    if name == "common_checkpoint":  # which step to resume: one every rank completed
+        return lambda trainer, root: checkpoint.common_checkpoint(Path(root))
     if name == "save_hf":
         return lambda trainer, path: save_hf(trainer.model, None, Path(path))  # rank 0 writes the files
     return None
