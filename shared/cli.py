@@ -51,6 +51,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"unknown config action {args.action!r} (allowed: show)", file=sys.stderr)
         return 2
     cfg = _load(args)
+    from rlbus.config.verl_defaults import defaults_block
+    from rlbus.config.warnings import inert_key_warnings
+
+    for warning in inert_key_warnings(cfg):  # the same lines a run prints at its start
+        print(f"rlbus: warning: {warning}", file=sys.stderr)
+    if block := defaults_block(cfg):
+        print(f"rlbus: {block}", file=sys.stderr)
     if args.doc:
         from rlbus.config.doc import doc_lines
 

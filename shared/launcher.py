@@ -378,6 +378,10 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
 
     for warning in inert_key_warnings(cfg):
         print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
+    from rlbus.config.verl_defaults import defaults_block
+
+    if block := defaults_block(cfg):
+        print(f"rlbus: {block}", file=sys.stderr, flush=True)
     with_roles = cfg.bus.roles and not cfg.bus.url
     planned = service_processes(cfg, run_dir_of(cfg) / "config.yaml", run_dir_of(cfg), gpus)
     users = bus_users(cfg, planned) if with_roles else None

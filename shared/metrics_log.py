@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlbus.verl_metric_names import with_verl_names
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -70,7 +72,9 @@ class MetricsWriter:
             self._wandb = wandb.init(project=project, name=experiment, dir=str(self.run_dir))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        clean = {k: (float(v) if isinstance(v, int | float) else v) for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, int | float) else v) for k, v in with_verl_names(metrics).items()
+        }
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
             self._jsonl.flush()

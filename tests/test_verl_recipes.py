@@ -250,3 +250,24 @@ def test_the_recipes_mean_what_they_meant_in_verl() -> None:
 def test_overrides_counted() -> None:
     distinct = {w for s in SCRIPTS.values() for w in overrides_of(s)}
     assert len(distinct) >= 60, len(distinct)
+
+
+def test_rlbus_up_names_every_default_that_differs_from_verls() -> None:
+    """Through `rlbus up` (rlbus's defaults) the quickstart is told, in one start-up block, which defaults
+    differ from verl's and the key that gives verl's; `python -m rlbus.main_ppo` takes verl's (test_main_ppo)."""
+    from rlbus.config.verl_defaults import defaults_block, verl_default_overrides
+
+    words = shlex.split(QUICKSTART.split("2>&1")[0].replace("\\\n", " "))[4:]
+    cfg = load_config(None, words)
+    block = defaults_block(cfg)
+    for line in (
+        "algorithm.adv_estimator=grpo (verl: gae",
+        "rollout.n=8 (verl: 1",
+        "rollout.temperature=0.7 (verl: 1.0",
+        "trainer.async_level=1 (verl: 0",
+    ):
+        assert line in block, line
+    assert "trainer.total_epochs=" not in block  # the command sets it: no default involved
+    verl = load_config(None, [*verl_default_overrides(cfg), *words])
+    assert (verl.algorithm.adv_estimator, verl.rollout.n, verl.rollout.temperature) == ("gae", 1, 1.0)
+    assert verl.trainer.total_epochs == 15 and defaults_block(verl) == ""

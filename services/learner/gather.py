@@ -73,21 +73,26 @@ def route(
     return Route.OVERFLOW if batch_full else Route.BATCH
 
 
-def validation_metrics(results: list[tuple[float, bool, int]]) -> dict[str, float]:
-    """Held-out scores from (reward, correct, policy version that answered) per validation prompt.
+def validation_metrics(results: list[tuple[float, bool, int, str]]) -> dict[str, float]:
+    """Held-out scores from (reward, correct, policy version that answered, data source) per validation
+    prompt; verl's `val-core/<data_source>/reward/mean@1` per source beside ours.
 
     Validation work asks for the learner's version at dispatch and the step waits for it before the next
     push, so every answer comes from exactly those weights; the record says which answered."""
     if not results:
         return {}
-    versions = [v for _, _, v in results]
-    return {
-        "val/accuracy": float(np.mean([c for _, c, _ in results])),
-        "val/reward_mean": float(np.mean([r for r, _, _ in results])),
+    versions = [v for _, _, v, _ in results]
+    out = {
+        "val/accuracy": float(np.mean([c for _, c, _, _ in results])),
+        "val/reward_mean": float(np.mean([r for r, _, _, _ in results])),
         "val/version": float(min(versions)),
         "val/version_max": float(max(versions)),
         "val/prompts": float(len(versions)),
     }
+    for source in sorted({s for _, _, _, s in results}):
+        rewards = [r for r, _, _, s in results if s == source]
+        out[f"val-core/{source}/reward/mean@1"] = float(np.mean(rewards))
+    return out
 
 
 class GatherHost(Protocol):
@@ -121,7 +126,7 @@ class Gatherer:
         self.val_pending: dict[str, int] = {}  # validation prompt id -> record index
         self.val_step = 0  # the step the pending validation was started at
         self.val_again = 0  # validation prompts dispatched again (their answer was refused)
-        self.val_results: list[tuple[float, bool, int]] = []
+        self.val_results: list[tuple[float, bool, int, str]] = []
         self.weights_behind = False  # a group came from weights this learner never made: push ours
         self._refused_said: set[str] = set()
         self._dispatching: asyncio.Task | None = None  # the top-up in flight (see _dispatch)
@@ -158,8 +163,10 @@ class Gatherer:
         if where is Route.VALIDATION:
             if self.val_pending.pop(pid, None) is not None:
                 scored = group.scored
+                work = scored.trajectories.work
+                source = str(work.meta.get("data_source") or work.meta.get("task") or "unknown")
                 self.val_results.append(
-                    (scored.rewards[0], scored.correct[0], scored.trajectories.policy_version)
+                    (scored.rewards[0], scored.correct[0], scored.trajectories.policy_version, source)
                 )
             await d.ack()
         elif where in (Route.LEFTOVER, Route.DUPLICATE):
