@@ -133,26 +133,26 @@ def test_crash_while_saving_leaves_nothing_resume_would_load(
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(ck.step_dir(root, 6), trained, {"step": 6})
     monkeypatch.setattr(ck, "_write_json", real)
-    assert (root / "step_6.tmp" / "state" / ".metadata").is_file()  # all but the marker was written
-    assert not (root / "step_6").exists()
+    assert (root / "global_step_6.tmp" / "state" / ".metadata").is_file()  # all but the marker was written
+    assert not (root / "global_step_6").exists()
     # a hand-made wreck too: a step dir without its marker (e.g. copied by hand, half done)
     (root / "step_9").mkdir()
     (root / "step_9" / "meta.json").write_text("{")
-    assert ck.latest_checkpoint(root) == root / "step_3"
-    assert ck.resume_target(tmp_path, "auto") == root / "step_3"
+    assert ck.latest_checkpoint(root) == root / "global_step_3"
+    assert ck.resume_target(tmp_path, "auto") == root / "global_step_3"
     with pytest.raises(ck.CheckpointError, match="incomplete"):
         ck.resume_target(tmp_path, str(root / "step_9"))
     with pytest.raises(ck.CheckpointError):
-        ck.load_checkpoint(root / "step_6.tmp", _trainer())
+        ck.load_checkpoint(root / "global_step_6.tmp", _trainer())
     assert ck.resume_target(tmp_path, "disable") is None
     assert not root.exists(), "a fresh start moves earlier checkpoints aside"
     aside = next(tmp_path.glob("checkpoints.superseded-*"))
-    assert ck.latest_checkpoint(aside) == aside / "step_3"
+    assert ck.latest_checkpoint(aside) == aside / "global_step_3"
 
     # the next save replaces a leftover tmp dir; pruning removes stale ones
     ck.save_checkpoint(ck.step_dir(aside, 6), trained, {"step": 6})
-    assert ck.latest_checkpoint(aside) == aside / "step_6"
-    assert not (aside / "step_6.tmp").exists()
+    assert ck.latest_checkpoint(aside) == aside / "global_step_6"
+    assert not (aside / "global_step_6.tmp").exists()
 
 
 def test_retention_keeps_the_newest_and_a_resave_replaces(trained: PolicyTrainer, tmp_path: Path) -> None:
@@ -162,12 +162,24 @@ def test_retention_keeps_the_newest_and_a_resave_replaces(trained: PolicyTrainer
         ck.prune_checkpoints(root, keep=2)
     (root / "step_1.tmp").mkdir()
     ck.prune_checkpoints(root, keep=2)
-    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_6", "global_step_8"]
     ck.save_checkpoint(ck.step_dir(root, 8), trained, {"step": 8, "again": True})
-    assert ck.read_meta(root / "step_8")["extra"]["again"] is True
-    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+    assert ck.read_meta(root / "global_step_8")["extra"]["again"] is True
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_6", "global_step_8"]
     assert [s for s, _ in ck.list_checkpoints(root)] == [6, 8]
-    assert ck.resolve_checkpoint(tmp_path) == root / "step_8"  # a run dir resolves to its latest
+    assert ck.resolve_checkpoint(tmp_path) == root / "global_step_8"  # a run dir resolves to its latest
+
+
+def test_a_step_n_folder_of_an_earlier_version_is_still_resumed(
+    trained: PolicyTrainer, tmp_path: Path
+) -> None:
+    """Checkpoints are verl's `global_step_N` now; an earlier rlbus's `step_N` is listed and loads."""
+    root = ck.checkpoint_root(tmp_path)
+    ck.save_checkpoint(ck.step_dir(root, 4), trained, {"step": 4})
+    assert ck.step_dir(root, 4).name == "global_step_4"
+    (root / "global_step_4").rename(root / "step_4")
+    assert ck.resume_target(tmp_path, "auto") == root / "step_4"
+    assert ck.load_checkpoint(root / "step_4", _trainer())["step"] == 4
 
 
 def test_ledger_reconciles_in_flight_work_on_resume() -> None:

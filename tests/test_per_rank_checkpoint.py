@@ -102,14 +102,14 @@ def test_two_ranks_with_folders_of_their_own_resume_from_a_step_both_completed(
         assert _learner_ranks(run, ckpt, disks, steps=4, log=log) == [0, 0], log.read_text()[-4000:]
         for rank, disk in enumerate(disks):
             assert [s for s, _ in list_checkpoints(disk)] == [2, 4], rank
-            step4 = disk / "step_4"
+            step4 = disk / "global_step_4"
             meta = json.loads((step4 / "meta.json").read_text())
             assert meta["layout"] == "per_rank" and meta["world_size"] == 2
             assert (step4 / "state" / ".metadata").is_file()  # its own shard's metadata, not rank 0's
             assert (step4 / f"rng_rank{rank}.json").is_file()
             assert (step4 / "hf").is_dir() == (rank == 0)  # rank 0's files are on rank 0's disk only
         # Rank 1's node died before it sealed step 4: only step 2 is complete on both.
-        (disks[1] / "step_4").rename(disks[1] / "step_4.tmp")
+        (disks[1] / "global_step_4").rename(disks[1] / "global_step_4.tmp")
         assert _learner_ranks(run, ckpt, disks, steps=6, log=log) == [0, 0], log.read_text()[-4000:]
         rows = run.metrics()
     text = log.read_text()

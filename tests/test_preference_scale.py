@@ -127,7 +127,7 @@ def test_sigkilled_run_resumes_from_its_checkpoint_to_the_same_weights(tmp_path:
         _train_command(config, 1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV
     )
     deadline = time.monotonic() + 300
-    while not (run_dir / "checkpoints" / "step_4").exists():
+    while not (run_dir / "checkpoints" / "global_step_4").exists():
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline, "no step-4 checkpoint in 300 s"
         time.sleep(0.05)

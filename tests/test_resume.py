@@ -153,7 +153,7 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
     assert max(float((wa[k] - base[k]).abs().max()) for k in wa if k in base) > 1e-4, (
         "training moved the weights"
     )
-    assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["step_6", "step_8"]
+    assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["global_step_6", "global_step_8"]
     print(
         f"\nboth runs {t_total:.0f}s, killed after step {done_at_kill} "
         f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}"

@@ -1,6 +1,7 @@
 """Learner checkpoints: model + optimizer through torch.distributed.checkpoint (DCP), the rest as JSON.
 
-Layout of one checkpoint, `<run_dir>/checkpoints/step_N/` (N = training steps completed):
+Layout of one checkpoint, `<run_dir>/checkpoints/global_step_N/` (N = training steps completed; verl's name;
+the `step_N/` folders of earlier versions are still listed and resumed):
 
     state/              DCP files of {"model": ..., "optim": ...} (sharded per rank under FSDP2)
     rng_rank{R}.json    torch (CPU and CUDA), numpy and python RNG states of rank R
@@ -9,8 +10,8 @@ Layout of one checkpoint, `<run_dir>/checkpoints/step_N/` (N = training steps co
     hf/                 config, generation config and tokenizer files (what `export_hf` needs)
     COMPLETE            written last: a directory without it is never loaded
 
-Atomicity: everything is written to `step_N.tmp/`, the marker last, then the directory is renamed to
-`step_N/`. A crash while saving leaves at most a `.tmp` directory, which `latest_checkpoint` ignores
+Atomicity: everything is written to `global_step_N.tmp/`, the marker last, then the directory is renamed to
+`global_step_N/`. A crash while saving leaves at most a `.tmp` directory, which `latest_checkpoint` ignores
 and the next save or `prune_checkpoints` removes. Model and optimizer go through
 `get_state_dict`/`set_state_dict`, so the same code saves a plain module, DDP or FSDP2 (sharded DTensors,
 one DCP shard per rank, written collectively); JSON files are written by rank 0 only. Where the ranks do
@@ -39,7 +40,7 @@ from rlbus.learner.rng_state import rng_state, set_rng_state
 CHECKPOINTS_DIRNAME = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
 FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"^(?:global_)?step_(\d+)$")  # global_step_N (verl's), or step_N (earlier rlbus)
 
 
 class CheckpointError(RuntimeError):
@@ -55,7 +56,7 @@ def checkpoint_root(run_dir: str | os.PathLike, local_dir: str | os.PathLike | N
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step_{int(step)}"
+    return Path(root) / f"global_step_{int(step)}"
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -79,8 +80,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 def common_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest checkpoint complete on every learner rank (collective call under torch.distributed):
     where each rank keeps its own folder, a rank may have died before sealing the newest one."""
-    step = common_step([step for step, _ in list_checkpoints(root)])
-    return None if step is None else step_dir(root, step)
+    found = dict(list_checkpoints(root))  # step -> its folder (global_step_N, or an earlier step_N)
+    step = common_step(list(found))
+    return None if step is None else found[step]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -100,14 +102,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if path.is_dir() and _STEP_RE.match(path.name):
         raise CheckpointError(f"{path} is incomplete (no {COMPLETE_MARKER} marker): a save was interrupted")
     raise CheckpointError(
-        f"no complete checkpoint at {path} (expected step_N/ with a {COMPLETE_MARKER} file)"
+        f"no complete checkpoint at {path} (expected global_step_N/ with a {COMPLETE_MARKER} file)"
     )
 
 
 def checkpoint_step(path: str | os.PathLike) -> int:
     m = _STEP_RE.match(Path(path).name)
     if not m:
-        raise CheckpointError(f"{path} is not a step_N checkpoint directory")
+        raise CheckpointError(f"{path} is not a global_step_N checkpoint directory")
     return int(m.group(1))
 
 
@@ -125,7 +127,7 @@ def prune_checkpoints(
     if not root.is_dir():
         return removed
     for child in root.iterdir():
-        if child.is_dir() and re.match(r"^step_\d+\.(tmp|old)$", child.name):
+        if child.is_dir() and re.match(r"^(global_)?step_\d+\.(tmp|old)$", child.name):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     found = list_checkpoints(root)
@@ -266,7 +268,7 @@ def save_checkpoint(
 
     path = Path(path)
     if not _STEP_RE.match(path.name):
-        raise CheckpointError(f"checkpoint dir must be named step_N, got {path.name!r}")
+        raise CheckpointError(f"checkpoint dir must be named global_step_N, got {path.name!r}")
     tmp = path.with_name(path.name + ".tmp")
     rank = _rank()
     t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from rlbus.learner.checkpoint import (
     checkpoint_meta,
     prune_checkpoints,
     seal_checkpoint,
+    step_dir,
     write_small_files,
 )
 from rlbus.learner.rng_state import rng_state
@@ -156,7 +157,7 @@ class RollingCheckpointer:
         if not rolling_due(self.steps_since, self.stage_s, step_s, self.budget):
             return 0.0
         await self.flush()  # done already: only collects its outcome
-        path = self.root / f"step_{step}"
+        path = step_dir(self.root, step)
         t0 = time.perf_counter()
         staged = stage(path, trainer, extra(), tokenizer, self.host)  # the step's own thread: no hop, no race
         self.stage_s = time.perf_counter() - t0
