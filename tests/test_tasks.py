@@ -167,7 +167,7 @@ def test_gsm8k_extract_and_score():
     assert extract_answer("first 3, then \\boxed{42}, finally 7") == "42"
     assert extract_answer("\\boxed{\\frac{1}{2}}") == "1/2"
     assert extract_answer("no number here") is None
-    task = Gsm8kTask()
+    task = Gsm8kTask(method="any")
     meta = {"answer": "1234"}
     assert task.score("The answer is #### 1,234", meta) == (1.0, True)
     assert task.score("... so \\boxed{1234}.", meta) == (1.0, True)
@@ -176,6 +176,26 @@ def test_gsm8k_extract_and_score():
     assert task.score("", meta) == (0.0, False)
     assert task.score("\\boxed{0.5}", {"answer": "1/2"}) == (1.0, True)
     assert task.score("-3", {"answer": "-3"}) == (1.0, True)
+
+
+def test_gsm8k_strict_and_flexible_read_answers_as_verl_does():
+    """verl's gsm8k.compute_score: strict (its default) scores only '#### N', flexible the last number; a
+    found but wrong answer scores format_score, none found 0."""
+    strict, flexible = Gsm8kTask(format_score=0.1), Gsm8kTask(method="flexible", format_score=0.1)
+    meta = {"answer": "72"}
+    cases = {  # response: (strict, flexible)
+        "48/2 = 24 clips, 48+24 = 72 in all.\n#### 72": (1.0, 1.0),
+        "48+24 = 72 in all": (0.0, 1.0),
+        "#### 1,072 is wrong": (0.1, 0.1),
+        "\\boxed{72}": (0.0, 1.0),
+        "#### $72": (0.0, 1.0),  # strict's pattern wants a digit right after '#### '
+        "no number": (0.0, 0.0),
+        "#### 72" + " pad" * 100: (0.0, 0.0),  # the answer lies before the last 300 characters
+    }
+    for response, (want_strict, want_flexible) in cases.items():
+        assert strict.score(response, meta)[0] == want_strict, response[:40]
+        assert flexible.score(response, meta)[0] == want_flexible, response[:40]
+    assert strict.score("#### 72", meta) == (1.0, True)
 
 
 def test_gsm8k_reads_user_jsonl(tmp_path):

@@ -60,15 +60,17 @@ class TaskScorer(PerItemScorer):
     batched = False
     fast = True  # the built-in rule verifiers: string checks, no I/O
 
-    def __init__(self) -> None:
+    def __init__(self, gsm8k_method: str = "strict", format_score: float = 0.0) -> None:
         self._tasks: dict[tuple[str, int], Any] = {}
+        self._gsm8k = {"method": gsm8k_method, "format_score": format_score}  # reward.gsm8k_method, ...
 
     def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
         from rlbus.tasks import get_task
 
         key = (str(meta.get("task", "addition")), int(meta.get("digits", 2)))
         if key not in self._tasks:
-            self._tasks[key] = get_task(key[0], digits=key[1])
+            extra = self._gsm8k if key[0] == "gsm8k" else {}
+            self._tasks[key] = get_task(key[0], digits=key[1], **extra)
         return self._tasks[key].score(response, meta)
 
 
@@ -283,4 +285,4 @@ def build_scorer(
             return RewardModelScorer(reward_model, trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ValueError(f"reward model cannot load: {exc}") from exc
-    return TaskScorer()
+    return TaskScorer(cfg.gsm8k_method, cfg.format_score)

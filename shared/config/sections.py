@@ -254,6 +254,15 @@ class RewardConfig(Section):
     memory_limit_mb: int = Field(
         1024, ge=16, description="address-space limit of the sandbox that runs user reward functions"
     )
+    gsm8k_method: Literal["strict", "flexible", "any"] = Field(
+        "strict",
+        description="the built-in GSM8K verifier's answer: strict = the number after the last '#### ' (verl's "
+        "default), flexible = the last number (verl's), any = the last \\boxed{}, else '####', else the last number",
+    )
+    format_score: float = Field(
+        0.0,
+        description="GSM8K: reward of an answer found in the right format but wrong (verl's format_score)",
+    )
     max_failed_groups: int = Field(
         20,
         ge=0,

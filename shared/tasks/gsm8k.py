@@ -1,8 +1,9 @@
 """GSM8K-style verifier: the final number of a response against the reference number.
 
 The data comes from the user's JSONL files (GSM8K's own format: {"question": ..., "answer": "...
-#### 42"}); nothing is downloaded. The final answer of a response is, in order of preference, the
-last `\\boxed{...}`, the number after the last `####`, or the last number in the text.
+#### 42"}); nothing is downloaded. The answer of a response is read as verl reads it (`reward.gsm8k_method`):
+strict (verl's default) takes the number after the last `#### `, flexible the last number; `any` takes
+the last `\\boxed{...}`, else the number after the last `####`, else the last number, compared as numbers.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ def extract_answer(text: str) -> str | None:
     return nums[-1] if nums else None
 
 
+SOLUTION_CLIP_CHARS = 300  # verl reads only the last 300 characters (regexes on long text are slow)
+_VERL_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_VERL_NUMBER_RE = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def verl_extract(text: str, method: str) -> str | None:
+    """verl's gsm8k.extract_solution: 'strict' takes the number after the last '#### ', 'flexible' the
+    last number (not a lone '.'), both from the last 300 characters, with ',' and '$' removed."""
+    text = text[-SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        found = _VERL_STRICT_RE.findall(text)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    for candidate in reversed(_VERL_NUMBER_RE.findall(text)):
+        if candidate not in ("", "."):
+            return candidate
+    return None
+
+
 def answers_match(predicted: str | None, reference: str) -> bool:
     a, b = to_number(predicted) if predicted is not None else None, to_number(reference)
     if a is None or b is None:
@@ -94,9 +113,17 @@ class Gsm8kTask(Task):
     name = "gsm8k"
     max_new_tokens = 512
 
-    def __init__(self, data_path: str | Path | None = None, prompt_suffix: str = ""):
+    def __init__(
+        self,
+        data_path: str | Path | None = None,
+        prompt_suffix: str = "",
+        method: str = "strict",
+        format_score: float = 0.0,
+    ):
         self.data_path = data_path
         self.prompt_suffix = prompt_suffix
+        self.method = method  # strict, flexible (verl's) or any (boxed, '####', last number)
+        self.format_score = format_score
 
     def example_from_record(self, row: dict) -> Example:
         question = row.get("question") or row.get("prompt") or row.get("problem")
@@ -122,5 +149,13 @@ class Gsm8kTask(Task):
         return examples[:count]
 
     def score(self, response: str, meta: dict) -> tuple[float, bool]:
-        correct = answers_match(extract_answer(response), str(meta["answer"]))
-        return (1.0 if correct else 0.0), correct
+        """verl's compute_score in its modes: 1.0 when the answer equals the reference, format_score when one
+        was found but differs, 0 when none; `any` compares numerically whatever the answer's spelling."""
+        if self.method == "any":
+            correct = answers_match(extract_answer(response), str(meta["answer"]))
+            return (1.0 if correct else 0.0), correct
+        answer = verl_extract(response, self.method)
+        if answer is None:
+            return 0.0, False
+        correct = answer == str(meta["answer"])
+        return (1.0 if correct else self.format_score), correct
