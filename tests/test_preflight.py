@@ -1,10 +1,12 @@
 """Start-up failures reach the console (rlbus.preflight, rlbus.log_reasons): a missing model directory, an
-uncached hub id, a missing or mis-schema'd data file stop `rlbus up` and `rlbus check` at once with exit 2
-and the key named, before any service starts; a service that refused or kept dying has its reason on the
+uncached hub id, a missing or mis-schema'd data file, chat prompts on a tokenizer without a chat template,
+a package the config asks for but that is not installed stop `rlbus up` and `rlbus check` at once with exit
+2 and the key named, before any service starts; a service that refused or kept dying has its reason on the
 console's last line, not only in its log."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,16 +52,31 @@ CASES = {
     ),
     "no prompt column": (["data.train_files={bad_parquet}"], "data.train_files", "no column 'prompt'"),
     "dir without config.json": (["model.path={tmp}"], "model.path", "no config.json"),
+    "chat prompts, no template": (["data.train_files={chat_parquet}"], "model.path", "has no chat template"),
+    "liger not installed": (["model.use_liger=true"], "model.use_liger", "needs the liger_kernel package"),
 }
+
+
+@pytest.fixture
+def chat_parquet(tmp_path: Path) -> Path:
+    """verl's schema: the prompt is a list of chat messages (the bundled tiny tokenizer has no template)."""
+    path = tmp_path / "chat.parquet"
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
 
 
 @pytest.mark.parametrize("command", ["up", "check"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_start_up_failure_is_refused_at_once_with_its_key(
-    case: str, command: str, tmp_path: Path, bad_parquet: Path
+    case: str, command: str, tmp_path: Path, bad_parquet: Path, chat_parquet: Path
 ) -> None:
     overrides, key, reason = CASES[case]
-    overrides = [o.format(bad_parquet=bad_parquet, tmp=tmp_path) for o in overrides]
+    if case == "liger not installed" and importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    overrides = [
+        o.format(bad_parquet=bad_parquet, chat_parquet=chat_parquet, tmp=tmp_path) for o in overrides
+    ]
     hf_cache = {"HF_HUB_CACHE": str(tmp_path / "empty-hf-cache"), "HF_HUB_OFFLINE": "1"}
     out = _rlbus(command, f"run.dir={tmp_path / 'runs'}", *overrides, cwd=tmp_path, env=hf_cache)
     assert out.returncode == 2, out.stderr

@@ -184,7 +184,9 @@ class Replica:
         except Exception as exc:  # noqa: BLE001 - an engine error on some item; find which
             if len(works) == 1:
                 return [exc], 0
-            self.ctx.log.warning("batch generation failed; trying its items one by one", error=str(exc)[:300])
+            self.ctx.log.warning(
+                "batch generation failed; trying its items one by one", error=(str(exc) or repr(exc))[:300]
+            )
         outcomes: list[TrajectoryGroup | Exception] = []
         total = 0
         for work in works:
