@@ -1,7 +1,9 @@
-"""DPO from TRL's YAML: `python scripts/train_dpo.py --config dpo.yaml [our.dotted=overrides ...]`.
+"""Offline DPO from a YAML file: `python scripts/train_dpo.py --config dpo.yaml [our.dotted=overrides ...]`.
 
-The file is the one `trl dpo --config dpo.yaml` takes (rlbus.config.trl_dpo maps it); the run is
-`rlbus train` on the resulting overrides, which come before any given on this command line.
+The file may be the users' quick start's DPO YAML (`algorithm: dpo` at the top) or an rlbus config
+(configs/dpo_example.yaml): both are `rlbus train --config <file>`, so the file means the same through
+either command. Or the file `trl dpo --config dpo.yaml` takes (rlbus.config.trl_dpo maps it): then the
+run is `rlbus train` on the resulting overrides. Overrides on this command line come last.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 import yaml
 
 from rlbus.cli import main as rlbus_main
+from rlbus.config import RlbusConfig
+from rlbus.config.quickstart_preference import is_quickstart_preference
 from rlbus.config.trl_dpo import trl_dpo_overrides
 
 
@@ -22,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.config) as fh:
         doc = yaml.safe_load(fh) or {}
+    if is_quickstart_preference(doc) or set(doc) & set(RlbusConfig.model_fields):
+        return rlbus_main(["train", "--config", args.config, *args.overrides])
     try:
         overrides, inert = trl_dpo_overrides(doc)
     except ValueError as exc:

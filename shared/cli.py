@@ -110,7 +110,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if cfg.preference.algorithm != "none":  # offline DPO/KTO/SimPO: no services to start
+        from rlbus.config.warnings import inert_key_warnings
         from rlbus.learner.preference.main import run_preference  # torch, transformers: only when used
+
+        for warning in inert_key_warnings(cfg):
+            print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
 
         return run_preference(cfg)
     from rlbus.launcher import launch

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings
 
+from rlbus.config.quickstart_preference import is_quickstart_preference, quickstart_keys
 from rlbus.config.schema import RlbusConfig
 from rlbus.config.yaml_layer import yaml_layer
 
@@ -220,7 +221,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level")
-        file_tree = _canonical_tree(flatten(raw), inert)
+        flat = flatten(raw)
+        if is_quickstart_preference(raw):  # the users' quick start's DPO YAML: its keys onto ours
+            try:
+                flat, quickstart_inert = quickstart_keys(flat)
+            except ValueError as exc:
+                raise ConfigError(f"config file {path}: {exc}") from None
+            inert.update(quickstart_inert)
+        file_tree = _canonical_tree(flat, inert)
     cli_tree = _canonical_tree(parse_overrides(overrides or []), inert)
     token = yaml_layer.set(file_tree)
     try:
