@@ -247,7 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def shadowing_folder() -> str | None:
+    """The folder named rlbus/ that hides the installed package (a namespace package from the working
+    directory, put first on sys.path by `python -m`), or None."""
+    import rlbus
+
+    if getattr(rlbus, "__file__", None) is not None:
+        return None
+    return next(iter(getattr(rlbus, "__path__", [])), "rlbus")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (folder := shadowing_folder()) is not None:
+        print(
+            f"rlbus: the folder {folder} hides the installed rlbus package (python -m puts the working "
+            "directory first on sys.path): run from another directory, rename that folder, or use the "
+            "`rlbus` command (or python -P -m ...)",
+            file=sys.stderr,
+        )
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops collecting positionals at the first flag: `up --fresh a.b=1` leaves a.b=1 over.

@@ -392,6 +392,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         if users is not None:
             p.env.update(role_env(users, p))
         p.env.update(gpu_env(gpus))
+        p.env["PYTHONSAFEPATH"] = "1"  # a folder named rlbus/ where the user stands must not hide the package
         p.env.update(threads.get(p.name, {}))
         p.preforked = cfg.run.service_start == "fork"
     stopping = False

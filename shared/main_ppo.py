@@ -12,6 +12,15 @@ from rlbus.config.verl_defaults import verl_default_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlbus.cli import shadowing_folder
+
+    if (folder := shadowing_folder()) is not None:
+        print(
+            f"rlbus.main_ppo: the folder {folder} hides the installed rlbus package: run from another "
+            "directory, rename that folder, or use python -P -m rlbus.main_ppo",
+            file=sys.stderr,
+        )
+        return 2
     args = list(sys.argv[1:] if argv is None else argv)
     config = None
     if args[:1] in (["--config"], ["-c"]) and len(args) > 1:
