@@ -19,6 +19,7 @@ from rlbus.notices import NOTICES_FILE, read_notices
 from rlbus.preforked import ForkedService
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
+from rlbus.verl_metric_names import is_validation_row
 
 if TYPE_CHECKING:
     from rlbus.bus import LocalNatsServer
@@ -290,7 +291,8 @@ class Console:
 
     def update(self) -> None:
         for row in self.metrics.new_rows():
-            print(progress_line(int(row["step"]), self.total_steps, row), flush=True)
+            if not is_validation_row(row):  # verl's held-out names, at their own step: shown in the next line
+                print(progress_line(int(row["step"]), self.total_steps, row), flush=True)
         rows, self.notices_at = read_notices(self.run_dir, self.notices_at)
         for row in rows:
             text = f"rlbus: {row.get('service', '?')}: {row.get('text', '')}"

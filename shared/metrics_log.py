@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbus.verl_metric_names import with_verl_names
+from rlbus.verl_metric_names import is_validation_row, with_verl_names
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -85,7 +85,7 @@ class MetricsWriter:
             self._tb.flush()
         if self._wandb:
             self._wandb.log(clean, step=step)
-        if "console" in self.loggers:
+        if "console" in self.loggers and not is_validation_row(clean):
             print(progress_line(step, self.total_steps, clean), file=sys.stdout, flush=True)
 
     def close(self) -> None:

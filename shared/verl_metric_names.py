@@ -4,7 +4,8 @@ Every row that goes to metrics.jsonl, TensorBoard and wandb carries both names. 
 `critic/score/mean` is the mean sequence score (our `reward/mean`), `actor/ppo_kl` the KL between the
 updated and the behaving policy, `perf/throughput` tokens per second, `timing_s/*` seconds of a step's
 phases (here `gen` is the wait for generated batches: generation runs beside training). Validation's
-`val-core/<data_source>/reward/mean@1` comes from the learner's validation metrics.
+`val-core/<data_source>/reward/mean@1` comes from the learner's validation metrics, in a row of its own at
+verl's step: the number of updates the validated policy had (0 for `val_before_train`).
 """
 
 from __future__ import annotations
@@ -36,3 +37,17 @@ def with_verl_names(metrics: dict[str, Any]) -> dict[str, Any]:
         if ours in metrics and theirs not in metrics:
             out[theirs] = metrics[ours]
     return out
+
+
+VALIDATION_PREFIX = "val-core/"
+
+
+def validation_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """verl's validation metrics of `metrics`, for their own row at the validated policy's step."""
+    return {k: v for k, v in metrics.items() if k.startswith(VALIDATION_PREFIX)}
+
+
+def is_validation_row(row: dict[str, Any]) -> bool:
+    """A row holding only verl's validation metrics (no progress line is printed for it)."""
+    keys = [k for k in row if k not in ("step", "time")]
+    return bool(keys) and all(k.startswith(VALIDATION_PREFIX) for k in keys)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from e2e_utils import Run, make_config
 
-from rlbus.learner.checkpoint import SUPERSEDED_METRICS, checkpoint_root, latest_checkpoint
+from rlbus.learner.checkpoint import SUPERSEDED_METRICS, checkpoint_root, checkpoint_step, latest_checkpoint
 
 STEPS, SAVE_FREQ, BATCH = 8, 3, 4
 COMMON = [
@@ -81,7 +81,7 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
     while True:
         ckpt = latest_checkpoint(root)
         rows = _train_rows(run)
-        if ckpt is not None and rows and rows[-1]["step"] > int(ckpt.name.split("_")[1]):
+        if ckpt is not None and rows and rows[-1]["step"] > checkpoint_step(ckpt):
             break
         assert run.learner.alive, run.logs("learner")
         assert time.monotonic() < deadline, run.logs("learner")
@@ -89,7 +89,7 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
     assert run.learner.proc is not None
     run.learner.proc.send_signal(signal.SIGKILL)
     run.learner.proc.wait(10)
-    return int(ckpt.name.split("_")[1]), _train_rows(run)[-1]["step"]
+    return checkpoint_step(ckpt), _train_rows(run)[-1]["step"]
 
 
 @pytest.mark.timeout(420)

@@ -463,6 +463,7 @@ def rewind_metrics(run_dir: str | os.PathLike, step: int) -> int:
     crash cut short is dropped. Returns how many rows moved. New rows then append as usual, so every
     step appears once per lineage (the final validation row repeats the last step, as in any run)."""
     from rlbus.metrics_log import METRICS_FILE
+    from rlbus.verl_metric_names import is_validation_row
 
     path = Path(run_dir) / METRICS_FILE
     if _rank() != 0 or not path.exists():
@@ -474,7 +475,10 @@ def rewind_metrics(run_dir: str | os.PathLike, step: int) -> int:
             row = json.loads(line)
         except ValueError:
             continue
-        (keep if int(row.get("step", 0)) <= step else gone).append(line)
+        at = int(row.get("step", 0))
+        # the validation at `step` runs again on resume (it is due at the same steps): its row goes too
+        again = at == step and is_validation_row(row)
+        (keep if at <= step and not again else gone).append(line)
     if gone:
         with open(Path(run_dir) / SUPERSEDED_METRICS, "a") as f:
             f.write("".join(f"{line}\n" for line in gone))

@@ -17,6 +17,7 @@ from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
 from rlbus.messages import ReadyGroup
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
+from rlbus.verl_metric_names import validation_row
 
 # ledger.json is the run's account for people and tests, written whole: every step made a long run's cost
 # grow with its length. Resume reads the ledger from the checkpoint, never from this file; the run's end
@@ -316,8 +317,12 @@ class Learner:
             groups = [d.message for d in deliveries]
             batch = collate(groups, pad_id)
             metrics = batch_metrics(groups, self.version)
-            if validate:
-                metrics.update(self.gatherer.validation_metrics())
+            if (
+                validate
+            ):  # verl's names at verl's step (the policy after `step` updates); ours in the step's row
+                held_out = self.gatherer.validation_metrics()
+                self.writer.log(step, validation_row(held_out))
+                metrics.update({k: v for k, v in held_out.items() if k not in validation_row(held_out)})
             metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
             t_trained = time.perf_counter()
             if cfg.trainer.rollout_data_dir:
