@@ -83,7 +83,7 @@ ALL_CONFIGS = [
 ]
 # What each name part adds to the rlbus config (several combine: rlbus+pack+liger).
 SUFFIX_OVERRIDES = {
-    "+pack": ["model.use_remove_padding=true"],
+    "+pack": ["model.use_remove_padding=true", "actor.use_dynamic_bsz=true"],
     "+gc": ["model.enable_gradient_checkpointing=true"],
     "+lora": ["model.lora_rank=16", "model.lora_alpha=32"],
     "+offload": ["actor.param_offload=true"],

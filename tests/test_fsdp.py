@@ -44,6 +44,7 @@ SCENARIOS: dict[str, list[str]] = {
     # micro-batches than the other run masked dummies
     "packed": [
         "model.use_remove_padding=true",
+        "actor.use_dynamic_bsz=true",
         "actor.ppo_max_token_len_per_gpu=12",
         "actor.ppo_mini_batch_size=1",
         "actor.loss_agg_mode=seq-mean-token-mean",
@@ -285,6 +286,18 @@ def test_micro_batch_planning() -> None:
     more = microbatch.equalize(bins, len(bins) + 2, lengths)
     assert len(more) == len(bins) + 2 and sorted(i for b in more for i in b) == list(range(8))
     assert microbatch.equalize([[3]], 3, lengths) == [[3], [], []]  # nothing to split: dummies
+
+
+def test_packing_and_token_bounded_micro_batches_are_two_keys_as_in_verl() -> None:
+    """model.use_remove_padding packs each micro-batch of actor.ppo_micro_batch_size sequences into a row;
+    only actor.use_dynamic_bsz bounds micro-batches by actor.ppo_max_token_len_per_gpu tokens instead."""
+    batch = make_batch(groups=2, per_group=3)  # 6 sequences
+    tokens = int(batch.attention_mask.sum())
+    ctx = dist_context.DistContext(device=torch.device("cpu"))
+    packed = microbatch.plan_micro_batches(batch, ctx, 2, packed=True, max_tokens=tokens)
+    assert [mb.idx for mb in packed] == [[0, 1], [2, 3], [4, 5]]  # two sequences each, as configured
+    dynamic = microbatch.plan_micro_batches(batch, ctx, 2, packed=True, max_tokens=tokens, token_bounded=True)
+    assert len(dynamic) == 1 and sorted(dynamic[0].idx) == list(range(6))  # all fit one token budget
 
 
 def test_config_knobs_reach_the_model(tiny: Path) -> None:

@@ -111,18 +111,20 @@ def plan_micro_batches(
     packed: bool,
     max_tokens: int,
     positions: Iterable[int] | None = None,
+    token_bounded: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of ``batch`` (or of its ``positions``), in the order to run them.
 
-    Padded: ``micro_batch_size`` sequences each. Packed (``model.use_remove_padding``): token-bounded by
-    ``max_tokens`` (``actor.ppo_max_token_len_per_gpu``), as few as fit, balanced. Under data parallelism each rank takes its share
+    ``micro_batch_size`` sequences each, padded or packed into one row (``model.use_remove_padding``). With
+    ``token_bounded`` (verl's ``actor.use_dynamic_bsz``, on packed rows): bounded by ``max_tokens``
+    (``actor.ppo_max_token_len_per_gpu``) instead, as few as fit, balanced. Under data parallelism each rank takes its share
     first, and all ranks end with the same number of micro-batches (see the module docstring): a dummy
     is a real sequence with its response mask zeroed, so it adds nothing to the loss or the gradient.
     """
     lengths = [int(x) for x in batch.attention_mask.sum(-1).tolist()]
     pos = list(range(batch.size)) if positions is None else list(positions)
     mine = split_for_ranks(pos, lengths, ctx.world_size)[ctx.rank] if ctx.distributed else pos
-    if packed:
+    if packed and token_bounded:
         bins = balanced_bins(mine, lengths, max_tokens)
     else:
         bins = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

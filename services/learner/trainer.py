@@ -81,7 +81,7 @@ class PolicyTrainer:
         )
 
     def _micro_batches(self, batch: TrainBatch) -> list[microbatch.MicroBatch]:
-        """This rank's micro-batches (its share under data parallelism; token-bounded when packing)."""
+        """This rank's micro-batches (its share under data parallelism; token-bounded with use_dynamic_bsz)."""
         actor = self.cfg.actor
         return microbatch.plan_micro_batches(
             batch,
@@ -89,6 +89,7 @@ class PolicyTrainer:
             actor.ppo_micro_batch_size,
             self.cfg.model.use_remove_padding,
             actor.ppo_max_token_len_per_gpu,
+            token_bounded=actor.use_dynamic_bsz,  # verl's: packing and token-bounded micro-batches are two keys
         )
 
     @torch.no_grad()

@@ -128,8 +128,8 @@ class ActorConfig(Section):
     )
     use_dynamic_bsz: bool = Field(
         False,
-        description="token-bounded micro-batches (ppo_max_token_len_per_gpu); "
-        "effective with model.use_remove_padding",
+        description="token-bounded micro-batches (ppo_max_token_len_per_gpu) instead of ppo_micro_batch_size "
+        "sequences; effective with model.use_remove_padding (verl's two keys, two meanings)",
     )
     tis_cap: float = Field(2.0, gt=0.0, description="truncated importance-sampling cap for stale samples")
     ppo_max_token_len_per_gpu: int = Field(
