@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+import yaml
+
 from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
@@ -29,6 +31,9 @@ log = get_logger("launcher")
 
 TEND_EVERY_S = 0.1  # how soon a dead service is seen and restarted (past its backoff)
 CONSOLE_EVERY_S = 1.0  # the progress line and the services' notices
+
+
+SERVICES_CONFIG = "config.set.yaml"  # the run's config as the services load it (only the keys set)
 
 
 def run_dir_of(cfg: RlbusConfig) -> Path:
@@ -196,7 +201,17 @@ def prepare_run(
         resolved.trainer.logger = [*resolved.trainer.logger, "jsonl"]
     if fresh:
         resolved.trainer.resume_mode = "disable"
-    config_path = save_config(resolved, run_dir / "config.yaml")
+    save_config(resolved, run_dir / "config.yaml")  # every key, resolved: for people and tools to read
+    # what the services load: the keys the user set and the launcher's own, so that their start-up
+    # warnings are about the user's keys (every key in the file would count as set by the user)
+    chosen = cfg.model_dump(mode="json", exclude_unset=True)
+    chosen.setdefault("bus", {})["url"] = url
+    trainer = chosen.setdefault("trainer", {})
+    trainer["logger"] = resolved.trainer.logger
+    if fresh:
+        trainer["resume_mode"] = "disable"
+    config_path = run_dir / SERVICES_CONFIG
+    config_path.write_text(yaml.safe_dump(chosen, sort_keys=False))
     return run_dir, config_path, server
 
 
@@ -385,7 +400,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     if block := defaults_block(cfg):
         print(f"rlbus: {block}", file=sys.stderr, flush=True)
     with_roles = cfg.bus.roles and not cfg.bus.url
-    planned = service_processes(cfg, run_dir_of(cfg) / "config.yaml", run_dir_of(cfg), gpus)
+    planned = service_processes(cfg, run_dir_of(cfg) / SERVICES_CONFIG, run_dir_of(cfg), gpus)
     users = bus_users(cfg, planned) if with_roles else None
     run_dir, config_path, server = prepare_run(cfg, fresh, users)
     procs = service_processes(cfg, config_path, run_dir, gpus)
