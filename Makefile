@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl tiny-model clean
+.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl bench-claim-check tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -91,6 +91,9 @@ bench-e2e:
 # weight-push bandwidth over NCCL against a plain broadcast (two GPUs of one host)
 bench-nccl:
 	$(PY) bench/nccl_push.py
+
+bench-claim-check:
+	$(PY) bench/claim_check.py
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build *.egg-info

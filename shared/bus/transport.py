@@ -58,6 +58,7 @@ from rlbus.bus.headers import (
     _one_line,
     _storage,
 )
+from rlbus.bus.object_read import read_object
 from rlbus.bus.retry import with_retry
 from rlbus.bus.state import RunState
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage
@@ -363,12 +364,11 @@ class Bus:
     async def _get_claim(self, name: str) -> bytes:
         try:
             obs = await self._object_store()
-            result = await obs.get(name)
-        except (ObjectNotFoundError, BucketNotFoundError) as exc:
+            return await read_object(self.js, obs, self.names.blobs_bucket, name)
+        except (ObjectNotFoundError, BucketNotFoundError, NotFoundError) as exc:  # the object, or a chunk
             raise ClaimMissingError(
                 f"claim-check object {name!r} is missing from {self.names.blobs_bucket}"
             ) from exc
-        return bytes(result.data or b"")
 
     async def _delete_claim(self, name: str) -> None:
         try:
