@@ -355,10 +355,10 @@ def tend(procs: list[ServiceProcess], supervisor: Supervisor, cfg: RlbusConfig) 
 
 
 def why(log_path: Path) -> str:
-    """': <the last error in the log>' for the console's last line, or '' when the log names none."""
-    from rlbus.log_reasons import last_error
+    """': <the first error of the service's last start>' for the console's last line, or ''."""
+    from rlbus.log_reasons import first_error
 
-    reason = last_error(log_path)
+    reason = first_error(log_path)
     return f": {reason}" if reason else ""
 
 

@@ -3,9 +3,9 @@ the console naming its key, not five restarts and "see runs/.../logs/rollout-0.l
 
 Checked: every model the run loads (a directory with a config.json, or a hub id already in the local
 Hugging Face cache: replicas do not race each other to download), the data files (present, readable,
-holding `data.prompt_key`), a chat template where the prompts are chat messages, and the optional
-packages the config asks for (vllm, liger-kernel). The config's own validation already covers keys, values and an importable
-reward function; the reward service refuses a function that cannot take a call at its start (exit 2).
+holding `data.prompt_key`), a chat template where the prompts are chat messages, the optional
+packages the config asks for (vllm, liger-kernel), and that a reward function's file or module exists. The config's own validation covers keys and values; the reward service refuses a function that cannot
+take a call at its start (exit 2).
 """
 
 from __future__ import annotations
@@ -172,6 +172,31 @@ def chat_template_problem(cfg: RlbusConfig) -> Problem | None:
     )
 
 
+def reward_problem(cfg: RlbusConfig) -> Problem | None:
+    """A reward function whose file or module is not there. Only looked up, never imported here: user code
+    runs in the reward service's sandbox, which also calls it once on a sample before serving."""
+    import importlib.util
+
+    spec = cfg.reward.function if cfg.reward.type == "function" else None
+    if not spec:
+        return None
+    key = "custom_reward_function.path" if cfg.custom_reward_function.path is not None else "reward.function"
+    where = spec.rsplit(":", 1)[0]
+    if where.endswith(".py") or "/" in where:
+        if not Path(where).expanduser().is_file():
+            return Problem(key, f"{where} does not exist")
+        return None
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return Problem(
+            key, f"no module {where!r} on the Python path (PYTHONPATH, or pip install its package)"
+        )
+    return None
+
+
 def preflight(cfg: RlbusConfig) -> list[Problem]:
     """Everything that would stop the run at start, each with its key; [] when it can start."""
     models = [
@@ -182,5 +207,7 @@ def preflight(cfg: RlbusConfig) -> list[Problem]:
     ]
     problems = [p for path, key in models if (p := model_problem(path, key)) is not None]
     problems += data_problems(cfg) + extras_problems(cfg)
+    if (reward := reward_problem(cfg)) is not None:
+        problems.append(reward)
     chat = chat_template_problem(cfg) if not problems else None
     return problems + ([chat] if chat else [])

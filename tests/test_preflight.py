@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlbus.log_reasons import last_error
+from rlbus.log_reasons import first_error
 
 
 def _rlbus(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -54,6 +54,16 @@ CASES = {
     "dir without config.json": (["model.path={tmp}"], "model.path", "no config.json"),
     "chat prompts, no template": (["data.train_files={chat_parquet}"], "model.path", "has no chat template"),
     "liger not installed": (["model.use_liger=true"], "model.use_liger", "needs the liger_kernel package"),
+    "unloadable reward": (
+        ["reward.type=function", "reward.function=nonexistent_mod:fn"],
+        "reward.function",
+        "no module 'nonexistent_mod'",
+    ),
+    "reward file missing": (
+        ["custom_reward_function.path=/nope/my_reward.py"],
+        "custom_reward_function.path",
+        "/nope/my_reward.py does not exist",
+    ),
 }
 
 
@@ -89,7 +99,7 @@ def test_check_passes_the_default_run(tmp_path: Path) -> None:
     assert out.returncode == 0 and "can start" in out.stdout
 
 
-def test_the_last_error_of_a_log_is_found(tmp_path: Path) -> None:
+def test_the_first_error_of_a_log_is_found(tmp_path: Path) -> None:
     log = tmp_path / "reward.log"
     log.write_text(
         "\n".join(
@@ -102,18 +112,27 @@ def test_the_last_error_of_a_log_is_found(tmp_path: Path) -> None:
             ]
         )
     )
-    assert last_error(log) == "reward function refused: takes 2 arguments"
+    assert first_error(log) == "reward function refused: takes 2 arguments"
     crash = tmp_path / "rollout.log"
     crash.write_text(
         'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
         "OSError: Incorrect path_or_model_id: '/models/x'. Please provide either the path\n"
     )
-    assert last_error(crash).startswith("OSError: Incorrect path_or_model_id: '/models/x'")
+    assert first_error(crash).startswith("OSError: Incorrect path_or_model_id: '/models/x'")
     console = tmp_path / "learner.log"  # structlog's console renderer, as `rlbus up` writes the logs
     console.write_text(
         "05:09:23 [info     ] service started                bus=nats://127.0.0.1:4222\n"
         '05:09:23 [error    ] model cannot load reason="/models/x: no config.json" service=learner-0\n'
         "05:09:23 [info     ] service stopped                rc=2 service=learner-0\n"
     )
-    assert last_error(console) == "model cannot load: /models/x: no config.json"
-    assert last_error(tmp_path / "absent.log") == ""
+    assert first_error(console) == "model cannot load: /models/x: no config.json"
+    assert first_error(tmp_path / "absent.log") == ""
+    restarted = tmp_path / "learner-restarted.log"  # an earlier start's error, then the cause and its echo
+    restarted.write_text(
+        "06:00:00 [info     ] service started                service=learner-0\n"
+        '06:00:01 [error    ] batch failed                   error="old trouble" service=learner-0\n'
+        "06:00:05 [info     ] service started                service=learner-0\n"
+        '06:00:06 [error    ] checkpoint cannot load         error="step_4: no meta.json" service=learner-0\n'
+        '06:00:06 [error    ] service failed                 error="CheckpointError" service=learner-0\n'
+    )
+    assert first_error(restarted) == "checkpoint cannot load: step_4: no meta.json"
