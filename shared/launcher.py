@@ -25,6 +25,7 @@ from rlbus.verl_metric_names import is_validation_row
 
 if TYPE_CHECKING:
     from rlbus.bus import LocalNatsServer
+    from rlbus.bus.local_cluster import LocalNatsCluster
     from rlbus.bus.roles import RoleUser
 
 log = get_logger("launcher")
@@ -176,7 +177,7 @@ def role_env(users: list[RoleUser], p: ServiceProcess) -> dict[str, str]:
 
 def prepare_run(
     cfg: RlbusConfig, fresh: bool, users: list[RoleUser] | None = None
-) -> tuple[Path, Path, LocalNatsServer | None]:
+) -> tuple[Path, Path, LocalNatsServer | LocalNatsCluster | None]:
     """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any.
     With `users`, the server is the run's own, and only they may connect (each with its role's rights)."""
     from rlbus.bus import resolve_bus_url
@@ -188,11 +189,12 @@ def prepare_run(
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    server: LocalNatsServer | None
+    server: LocalNatsServer | LocalNatsCluster | None
     if users is not None and not cfg.bus.url:
         write_reader(users, run_dir / "nats")
         auth = authorization_block(users, RunNames(cfg.run.id), cfg.needs_ref)
-        url, server = start_run_server(cfg.bus, run_dir, auth)
+        reader = next(u for u in users if u.role == "reader")
+        url, server = start_run_server(cfg.bus, run_dir, auth, (reader.user, reader.password))
     else:
         url, server = resolve_bus_url(cfg.bus, run_dir)
     resolved = cfg.model_copy(deep=True)

@@ -52,7 +52,12 @@ class RunState:
 
     @classmethod
     async def open(
-        cls, js: JetStreamContext, names: RunNames, storage: str = "file", nc: Client | None = None
+        cls,
+        js: JetStreamContext,
+        names: RunNames,
+        storage: str = "file",
+        nc: Client | None = None,
+        replicas: int = 1,
     ) -> RunState:
         """Bind to the bucket, creating it when missing."""
         bucket = names.state_bucket
@@ -61,7 +66,9 @@ class RunState:
         except (BucketNotFoundError, NotFoundError):
             st = js_api.StorageType.FILE if storage == "file" else js_api.StorageType.MEMORY
             try:
-                kv = await js.create_key_value(js_api.KeyValueConfig(bucket=bucket, history=1, storage=st))
+                kv = await js.create_key_value(
+                    js_api.KeyValueConfig(bucket=bucket, history=1, storage=st, replicas=replicas)
+                )
             except BadRequestError:  # another service created it a moment ago with other settings
                 kv = await js.key_value(bucket)
         return cls(kv, names, nc)

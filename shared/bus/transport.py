@@ -179,11 +179,13 @@ class Bus:
                     max_msg_size=-1,
                     duplicate_window=DUPLICATE_WINDOW_S,
                     discard=js_api.DiscardPolicy.OLD,
+                    num_replicas=self.cfg.stream_replicas,
                 )
             )
         await self._add_or_update(
             js_api.StreamConfig(
                 name=self.names.dlq_stream,
+                num_replicas=self.cfg.stream_replicas,
                 subjects=[self.names.dlq_wildcard],
                 retention=js_api.RetentionPolicy.LIMITS,
                 storage=st,
@@ -208,7 +210,10 @@ class Bus:
             if not create:
                 raise
             self._obs = await self.js.create_object_store(
-                bucket, config=js_api.ObjectStoreConfig(storage=storage or js_api.StorageType.FILE)
+                bucket,
+                config=js_api.ObjectStoreConfig(
+                    storage=storage or js_api.StorageType.FILE, replicas=self.cfg.stream_replicas
+                ),
             )
         return self._obs
 
@@ -247,7 +252,9 @@ class Bus:
     async def state(self) -> RunState:
         """The run's RunState (KV bucket), created on first use."""
         if self._state is None:
-            self._state = await RunState.open(self.js, self.names, storage=self.cfg.storage, nc=self.nc)
+            self._state = await RunState.open(
+                self.js, self.names, storage=self.cfg.storage, nc=self.nc, replicas=self.cfg.stream_replicas
+            )
         return self._state
 
     # ---------------------------------------------------------------- publish

@@ -341,6 +341,19 @@ class BusConfig(Section):
         "allowed to publish only what its role publishes (rlbus.bus.roles); false: use an open server on "
         "127.0.0.1:4222 when one answers, as any client may",
     )
+    cluster_size: int = Field(
+        1,
+        ge=1,
+        description="with no bus.url, `rlbus up` starts a local NATS cluster of this many servers (routes, "
+        "a JetStream meta-group): 1, or an odd number (3 survives one server's death)",
+    )
+    replicas: int = Field(
+        0,
+        ge=0,
+        le=5,
+        description="copies of each stream, KV bucket and object store on a clustered bus (0: 3 when "
+        "bus.cluster_size >= 3, else 1); set 3 for an external cluster (compose, k8s)",
+    )
     user: str | None = Field(None, description="NATS user (with bus.password)")
     password: str | None = Field(None, description="NATS password")
     token: str | None = Field(None, description="NATS token")
@@ -354,6 +367,19 @@ class BusConfig(Section):
         "file",
         description="JetStream storage of the run's streams: file (survives a server restart) or memory",
     )
+
+    @field_validator("cluster_size")
+    @classmethod
+    def _odd_cluster(cls, value: int) -> int:
+        """A JetStream meta-group needs a majority: 2 servers die with one, as 1 does."""
+        if value > 1 and value % 2 == 0:
+            raise ValueError(f"must be 1 or odd (3, 5): {value} servers lose their quorum with one down")
+        return value
+
+    @property
+    def stream_replicas(self) -> int:
+        """Copies of each stream, bucket and store (bus.replicas, else 3 on a local cluster of 3 or more)."""
+        return self.replicas or (3 if self.cluster_size >= 3 else 1)
 
     @field_validator("token", "password")
     @classmethod
