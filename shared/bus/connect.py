@@ -106,10 +106,13 @@ def _auth_options(cfg: BusConfig) -> dict[str, Any]:
 
 
 def _backoff_handler(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
-    """nats-py hook picked on every reconnect attempt: capped exponential backoff with jitter."""
-    attempts = min((s.reconnects for s in servers), default=0)
+    """nats-py hook called on every reconnect attempt: the server tried least so far (a dead cluster member
+    is passed over for the live ones; nats-py itself would take the list's first every time), after a
+    capped exponential backoff with jitter."""
+    least = min(servers, key=lambda s: s.reconnects, default=None)
+    attempts = least.reconnects if least is not None else 0
     delay = min(RECONNECT_CAP_S, RECONNECT_BASE_S * (2 ** min(attempts, 10)))
-    return None, delay * (0.5 + random.random() / 2)
+    return least, delay * (0.5 + random.random() / 2)
 
 
 def _secrets(cfg: BusConfig, url: str) -> list[str]:

@@ -27,6 +27,9 @@ from rlbus.bus.disconnects import ConnectionLostError, unless_disconnected
 
 PUBLISH_DEADLINE_S = 30.0
 """How long a publish (or ack) keeps retrying through a reconnect before it raises."""
+RETRY_CAP_S = 0.5
+"""Longest pause between tries. Most retryable errors come back at once (no responders while a clustered
+stream elects its leader, 4-9 s in nats-server): a longer pause would only add to the stall."""
 T = TypeVar("T")
 
 
@@ -57,15 +60,15 @@ async def with_retry(
     Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated.
     """
     deadline = time.monotonic() + deadline_s
-    delay = 0.1
+    delay, tries = 0.1, 0
     while True:
         try:
             return await unless_disconnected(nc, fn)
         except RETRYABLE as exc:
             if time.monotonic() + delay >= deadline:
                 raise
-            log.warning(
-                "bus.retry", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=round(delay, 2)
-            )
+            tries += 1
+            report = log.warning if tries == 1 else log.debug  # once per request, not every half second
+            report("bus.retry", what=what, error=f"{type(exc).__name__}: {exc}", retry_in_s=round(delay, 2))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, RETRY_CAP_S)
