@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def test_a_refused_reward_function_has_its_reason_on_the_console(
     last line says why, not only which log to open."""
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir + ":" + os.environ.get("PYTHONPATH", ""))
+    t0 = time.monotonic()
     done = rlbus_up(
         tmp_path,
         nats_url,
@@ -33,7 +35,9 @@ def test_a_refused_reward_function_has_its_reason_on_the_console(
         "reward.function=reward_fns:two_arguments",
         timeout=120,
     )
+    took = time.monotonic() - t0
     assert done.returncode == 2, done.stderr
+    assert took < 15, f"the refusal took {took:.1f} s (issue 29: within 15 s)"
     last = done.stderr.strip().splitlines()[-1]
     assert (
         "reward refused its configuration: " in last
