@@ -181,8 +181,8 @@ def prepare_run(
     """Run dir, resolved config file (with the bus URL filled in) and the NATS server we started, if any.
     With `users`, the server is the run's own, and only they may connect (each with its role's rights)."""
     from rlbus.bus import resolve_bus_url
-    from rlbus.bus.local_server import start_run_server
     from rlbus.bus.roles import authorization_block, write_reader
+    from rlbus.bus.run_server import start_run_server
     from rlbus.bus.subjects import RunNames
 
     run_dir = run_dir_of(cfg)
@@ -195,6 +195,8 @@ def prepare_run(
         auth = authorization_block(users, RunNames(cfg.run.id), cfg.needs_ref)
         reader = next(u for u in users if u.role == "reader")
         url, server = start_run_server(cfg.bus, run_dir, auth, (reader.user, reader.password))
+    elif not cfg.bus.url and cfg.bus.cluster_size > 1:  # an open cluster of the run's own (bus.roles=false)
+        url, server = start_run_server(cfg.bus, run_dir)
     else:
         url, server = resolve_bus_url(cfg.bus, run_dir)
     resolved = cfg.model_copy(deep=True)

@@ -16,6 +16,9 @@ from enum import StrEnum
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from rlbus.bus.connect import log
+from rlbus.bus.headers import MSG_ID_HEADER
+
 DIGEST_HEADER = "Rlbus-Digest"
 
 
@@ -38,3 +41,25 @@ async def compare_duplicate(js: JetStreamContext, stream: str, seq: int, digest:
         return DuplicateVerdict.CONSUMED
     kept_digest = (kept.headers or {}).get(DIGEST_HEADER)
     return DuplicateVerdict.SAME if kept_digest == digest else DuplicateVerdict.DIFFERENT
+
+
+async def judge_duplicate(
+    js: JetStreamContext, stream: str, seq: int, headers: dict[str, str]
+) -> DuplicateVerdict | None:
+    """The verdict on a publish (its `headers`: msg id and digest) dropped as a duplicate of message `seq`;
+    another message kept under its id is logged as an error. None when the server cannot be asked."""
+    msg_id = headers.get(MSG_ID_HEADER, "")
+    try:
+        verdict = await compare_duplicate(js, stream, seq, headers[DIGEST_HEADER])
+    except Exception as exc:  # noqa: BLE001 - the server is away: the duplicate stays uncounted
+        log.debug("bus.duplicate_unchecked", msg_id=msg_id, error=str(exc))
+        return None
+    if verdict is DuplicateVerdict.DIFFERENT:
+        log.error(
+            "bus.duplicate_conflict: another message was kept under this msg id; this one was dropped",
+            msg_id=msg_id,
+            stream=stream,
+            kept_seq=seq,
+            digest=headers[DIGEST_HEADER],
+        )
+    return verdict

@@ -19,12 +19,9 @@ import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlbus.config.schema import BusConfig
-
-if TYPE_CHECKING:
-    from rlbus.bus.local_cluster import LocalNatsCluster
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
@@ -277,9 +274,7 @@ def jetstream_server_at(url_host: str = "127.0.0.1", port: int = 4222) -> bool:
     return bool(info and info.get("jetstream") and not info.get("auth_required"))
 
 
-def resolve_bus_url(
-    cfg: BusConfig, run_dir: str | Path
-) -> tuple[str, LocalNatsServer | LocalNatsCluster | None]:
+def resolve_bus_url(cfg: BusConfig, run_dir: str | Path) -> tuple[str, LocalNatsServer | None]:
     """Where to connect: `cfg.url`, else a JetStream server on 127.0.0.1:4222, else one we start.
 
     The caller owns a returned server and must `stop()` it (or use it as a context manager).
@@ -288,32 +283,15 @@ def resolve_bus_url(
         return cfg.url, None
     if jetstream_server_at("127.0.0.1", 4222):
         return DEFAULT_URL, None
-    return start_run_server(cfg, run_dir)
+    server = single_run_server(cfg, run_dir)
+    return server.url, server
 
 
-def start_run_server(
-    cfg: BusConfig,
-    run_dir: str | Path,
-    authorization: str = "",
-    probe_credentials: tuple[str, str] | None = None,
-) -> tuple[str, LocalNatsServer | LocalNatsCluster]:
-    """A server of the run's own (storage in `<run_dir>/nats`, so a resumed run finds its streams), or a
-    cluster of `bus.cluster_size` servers (its URL lists them all)."""
-    if cfg.cluster_size > 1:
-        from rlbus.bus.local_cluster import LocalNatsCluster
-
-        cluster = LocalNatsCluster(
-            Path(run_dir) / "nats",
-            cfg.cluster_size,
-            cfg.max_payload_bytes,
-            extra_config=authorization,
-            probe_credentials=probe_credentials,
-        ).start()
-        return cluster.url, cluster
-    server = LocalNatsServer(
+def single_run_server(cfg: BusConfig, run_dir: str | Path, authorization: str = "") -> LocalNatsServer:
+    """A server of the run's own, started (storage in `<run_dir>/nats`, so a resumed run finds its streams)."""
+    return LocalNatsServer(
         Path(run_dir) / "nats",
         port=cfg.local_port,
         max_payload_bytes=cfg.max_payload_bytes,
         extra_config=authorization,
     ).start()
-    return server.url, server

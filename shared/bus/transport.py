@@ -32,7 +32,7 @@ from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
 from rlbus.bus.consumer import Consumer
 from rlbus.bus.disconnects import unless_disconnected
-from rlbus.bus.duplicates import DIGEST_HEADER, DuplicateVerdict, compare_duplicate, payload_digest
+from rlbus.bus.duplicates import DIGEST_HEADER, DuplicateVerdict, judge_duplicate, payload_digest
 from rlbus.bus.headers import (
     _NAME_RE,
     CLAIM_HEADER,
@@ -291,21 +291,10 @@ class Bus:
         return result
 
     async def _judge_duplicate(self, result: PublishResult, hdrs: dict[str, str]) -> None:
-        """Counts a dropped duplicate by verdict; another message kept under this id is logged as an error."""
-        try:
-            verdict = await compare_duplicate(self.js, result.stream, result.seq, hdrs[DIGEST_HEADER])
-        except Exception as exc:  # noqa: BLE001 - the server is away: the duplicate stays uncounted
-            log.debug("bus.duplicate_unchecked", msg_id=hdrs[MSG_ID_HEADER], error=str(exc))
-            return
-        self.duplicates[verdict] += 1
-        if verdict is DuplicateVerdict.DIFFERENT:
-            log.error(
-                "bus.duplicate_conflict: another message was kept under this msg id; this one was dropped",
-                msg_id=hdrs[MSG_ID_HEADER],
-                stream=result.stream,
-                kept_seq=result.seq,
-                digest=hdrs[DIGEST_HEADER],
-            )
+        """Counts a dropped duplicate by verdict (rlbus.bus.duplicates); a conflict is logged as an error."""
+        verdict = await judge_duplicate(self.js, result.stream, result.seq, hdrs)
+        if verdict is not None:
+            self.duplicates[verdict] += 1
 
     async def _js_publish(
         self, subject: str, data: bytes, stream: str | None, hdrs: dict[str, str], what: str
