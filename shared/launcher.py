@@ -19,6 +19,7 @@ from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
 from rlbus.preforked import ForkedService
+from rlbus.refusal_hold import ON_REFUSAL_ENV
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
 from rlbus.verl_metric_names import is_validation_row
@@ -414,6 +415,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             p.env.update(role_env(users, p))
         p.env.update(gpu_env(gpus))
         p.env["PYTHONSAFEPATH"] = "1"  # a folder named rlbus/ where the user stands must not hide the package
+        p.env[ON_REFUSAL_ENV] = "exit"  # a refusal must reach this supervisor (a held child never would)
         p.env.update(threads.get(p.name, {}))
         p.preforked = cfg.run.service_start == "fork"
     stopping = False

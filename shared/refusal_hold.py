@@ -27,6 +27,9 @@ def hold_refused(command: str, reason: str, exit_code: int) -> int:
     """Waits for SIGTERM/SIGINT, serving the refusal on the health port; returns `exit_code` then."""
     from rlbus.health import HealthServer
 
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before saying so: a stop may follow the line at once
+        signal.signal(sig, lambda *_: stop.set())
     print(
         f"rlbus {command}: refused (exit {exit_code}): {reason}\n"
         f"rlbus {command}: holding instead of exiting ({ON_REFUSAL_ENV}=hold), so nothing restarts it; "
@@ -38,9 +41,6 @@ def hold_refused(command: str, reason: str, exit_code: int) -> int:
     health = HealthServer(port, command)
     health.set_refused(reason)
     health.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     health.stop()
     return exit_code

@@ -11,8 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+from e2e_utils import up_command
 from test_health import free_port
 
 BAD = ["rollout", "rollout.temprature=0.5"]  # a misspelt key: refused with the key named
@@ -61,3 +63,33 @@ def test_without_the_hold_a_refusal_exits_2_at_once() -> None:
         [sys.executable, "-m", "rlbus.cli", *BAD], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "temprature" in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_rlbus_up_in_a_holding_container_still_hears_its_services_refuse(
+    tmp_path: Path, nats_url: str, run_id: str
+) -> None:
+    """An image sets the hold for every process, `rlbus up` included. Its services must still exit 2 on a
+    refusal (the launcher gives them `exit`), so `up` learns of it, stops the run, and then holds itself."""
+    tests_dir = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "RLBUS_RUN__ON_REFUSAL": "hold",
+        "PYTHONPATH": tests_dir + ":" + os.environ.get("PYTHONPATH", ""),
+    }
+    command = up_command(
+        tmp_path, nats_url, run_id, "reward.type=function", "reward.function=reward_fns:two_arguments"
+    )
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    said = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # ends when up exits; it holds instead, so we stop at the line we wait for
+            said.append(line)
+            if "holding instead of exiting" in line:
+                break
+        assert any("reward refused its configuration" in line for line in said), "".join(said[-20:])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    assert rc == 2
