@@ -71,28 +71,26 @@ def test_the_coming_from_verl_commands_run_as_written(nats_url: str, run_id: str
         "RLBUS_RUN__DIR": str(tmp_path / "runs"),
         "RLBUS_TRAINER__TOTAL_TRAINING_STEPS": "2",
     }
-    absent = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", commands[0]],
-        cwd=tmp_path,
-        env={**env, "HF_HUB_CACHE": str(tmp_path / "empty-cache")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def run_as_written(hf_cache: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+        """The README's command by bash (pipefail: its exit code, not tee's) with this HF cache."""
+        return subprocess.run(
+            ["bash", "-o", "pipefail", "-c", commands[0]],
+            cwd=tmp_path,
+            env={**env, "HF_HUB_CACHE": str(hf_cache)},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    absent = run_as_written(tmp_path / "empty-cache", timeout=120)
     shown = f"rlbus: refused: model.path: hub id '{HUB_ID}' is not in the local Hugging Face cache"
     assert shown in (tmp_path / "verl_demo.log").read_text()  # the command tees its output there
     assert shown in (ROOT / "README.md").read_text()
-    assert absent.returncode == 2  # refused at the pre-flight (pipefail: not tee's exit code)
+    assert absent.returncode == 2  # refused at the pre-flight
 
     fake_hub_cache(tmp_path / "hf-cache", model)
-    done = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", commands[0]],
-        cwd=tmp_path,
-        env={**env, "HF_HUB_CACHE": str(tmp_path / "hf-cache")},
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    done = run_as_written(tmp_path / "hf-cache", timeout=540)
     log = (tmp_path / "verl_demo.log").read_text()
     assert done.returncode == 0, log[-4000:]
     rows = [r for r in read_metrics(tmp_path / "runs" / run_id) if "actor/pg_loss" in r]

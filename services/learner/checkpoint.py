@@ -363,12 +363,12 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
         raise CheckpointError(
             f"{path}: checkpoint format {meta.get('format')}, this code reads {FORMAT_VERSION}"
         )
-    if meta.get("layout", COLLECTIVE) == PER_RANK and meta.get("world_size") != _world():
+    no_dist = meta.get("layout", COLLECTIVE) == PER_RANK  # this rank's shard, with its own metadata
+    if no_dist and meta.get("world_size") != _world():
         raise CheckpointError(
             f"{path}: each of its {meta.get('world_size')} ranks wrote its own shard to a folder of its own; "
             f"it resumes only with that many ranks (this run has {_world()})"
         )
-    no_dist = meta.get("layout", COLLECTIVE) == PER_RANK  # this rank's shard, with its own metadata
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     try:

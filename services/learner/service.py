@@ -321,8 +321,9 @@ class Learner:
                 validate
             ):  # verl's names at verl's step (the policy after `step` updates); ours in the step's row
                 held_out = self.gatherer.validation_metrics()
-                self.writer.log(step, validation_row(held_out))
-                metrics.update({k: v for k, v in held_out.items() if k not in validation_row(held_out)})
+                verl_row = validation_row(held_out)
+                self.writer.log(step, verl_row)
+                metrics.update({k: v for k, v in held_out.items() if k not in verl_row})
             metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
             t_trained = time.perf_counter()
             if cfg.trainer.rollout_data_dir:

@@ -5,7 +5,8 @@ through a reconnect, or a stage redoing a deterministic step, sends the same byt
 different message under an id already taken (a buggy producer, a client of the same role shadowing
 another's group, a regenerated trajectory racing its redelivery) would be dropped in silence. So every
 publish carries a digest of its payload, and on a duplicate ack the publisher reads the kept message
-(the ack carries its sequence) and compares: a mismatch is logged with both digests and counted.
+(the ack carries its sequence) and compares: a mismatch is logged with the dropped one's digest and the
+kept one's sequence, and counted.
 """
 
 from __future__ import annotations

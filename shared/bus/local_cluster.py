@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from rlbus.bus.local_server import DEFAULT_MAX_PAYLOAD, LocalNatsError, LocalNatsServer, _free_port
 
@@ -119,9 +121,9 @@ class LocalNatsCluster:
         self.stop()
 
 
-def _run(coro: object) -> BaseException | None:
+def _run(coro: Coroutine[Any, Any, None]) -> BaseException | None:
     try:
-        asyncio.run(coro)  # type: ignore[arg-type]
+        asyncio.run(coro)
     except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
         return exc
     return None
