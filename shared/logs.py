@@ -23,7 +23,10 @@ def setup_logging(level: str = "info", json_logs: bool = False, service: str | N
     processors: list = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+        # JSON lines go to log collectors: full ISO 8601 UTC to the microsecond; the console's eye wants less
+        structlog.processors.TimeStamper(fmt="iso", utc=True)
+        if json_logs
+        else structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
         _redact,
     ]
     processors.append(

@@ -286,16 +286,30 @@ def _flaky_reward(run_dir: Path) -> ServiceProcess:
     return proc
 
 
+def _fault_costs(calm_times: dict[int, float], heavy_times: dict[int, float], events: list) -> list[float]:
+    """Each fault's own cost: the seconds the fault run took from its step to the next fault's step (or the
+    last step) beyond what the undisturbed run took over the same steps, both on the learner's clock."""
+    at = [step for _, step, _ in events]
+    ends = [*at[1:], max(heavy_times)]
+    return [
+        (heavy_times[b] - heavy_times[a]) - (calm_times[b] - calm_times[a])
+        for a, b in zip(at, ends, strict=True)
+    ]
+
+
 @pytest.mark.faults
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summary_line) -> None:
-    """The load of issue 27, against an undisturbed run measured in the same job: 10 SIGKILLs (4 of them the
-    learner), NATS SIGKILLed for 3 s, 2,000 junk messages, a reward that raises on 10% of inputs swapped in."""
+    """The load of issue 27, against undisturbed runs measured in the same job: 10 SIGKILLs (4 of them the
+    learner), NATS SIGKILLed for 3 s, 2,000 junk messages, a reward that raises on 10% of inputs swapped in.
+    The undisturbed run goes before and after the fault run, and the fault run is held to their mean wall
+    time, so a machine that slows down (or speeds up) during the job does not move the ratio."""
     kills = [w for _, w in HEAVY_PLAN if w in ("learner", "reward") or w.startswith("rollout")]
     assert len(kills) >= 10 and kills.count("learner") == 4
     results = {}
     train_acc: dict[str, float] = {}
-    for name, plan in (("calm", []), ("faults", HEAVY_PLAN)):
+    step_times: dict[str, dict[int, float]] = {}
+    for name, plan in (("calm", []), ("faults", HEAVY_PLAN), ("calm-after", [])):
         with LocalNatsServer(tmp_path / name / "nats", max_payload_bytes=8 * 1024 * 1024) as server:
             run_id = f"heavy-{name}"
             obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED), HEAVY_OVERRIDES)
@@ -306,23 +320,30 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
         trained_idx = [ledger["dispatched"][p] for p in ledger["trained"]]
         val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
         # the stalls as the learner logged its steps (the observer's own clock pauses while it injects)
-        times = [float(r["time"]) for r in rows if "reward/mean" in r]
+        step_times[name] = {int(r["step"]): float(r["time"]) for r in rows if "reward/mean" in r}
+        times = sorted(step_times[name].values())
         obs.progress = [obs.start + t - times[0] + obs.startup_s for t in times]
         results[name] = (obs, val[-1], ledger, lost, len(trained_idx) - len(set(trained_idx)))
 
     calm, calm_acc, _, _, _ = results["calm"]
+    after, after_acc, _, _, _ = results["calm-after"]
     heavy, heavy_acc, ledger, lost, twice = results["faults"]
+    undisturbed_s = (calm.wall_s + after.wall_s) / 2
+    costs = _fault_costs(step_times["calm"], step_times["faults"], heavy.events)
     stall_budget = 2 * REPLICA_TIMEOUT_S
     report = "\n".join(
         [
-            f"undisturbed: {calm.wall_s:.1f} s, longest stall {calm.longest_stall():.1f} s, "
-            f"final val accuracy {calm_acc:.3f}, train accuracy of the last 30 steps {train_acc['calm']:.3f}",
-            f"heavy faults: {heavy.wall_s:.1f} s ({heavy.wall_s / calm.wall_s:.2f}x), longest stall "
+            f"undisturbed: {calm.wall_s:.1f} s before, {after.wall_s:.1f} s after (mean {undisturbed_s:.1f} s), "
+            f"longest stall {max(calm.longest_stall(), after.longest_stall()):.1f} s, final val accuracy "
+            f"{calm_acc:.3f} / {after_acc:.3f}, train accuracy of the last 30 steps {train_acc['calm']:.3f} / "
+            f"{train_acc['calm-after']:.3f}",
+            f"heavy faults: {heavy.wall_s:.1f} s ({heavy.wall_s / undisturbed_s:.2f}x), longest stall "
             f"{heavy.longest_stall():.1f} s, final val accuracy {heavy_acc:.3f}, "
             f"train accuracy of the last 30 steps {train_acc['faults']:.3f}",
             *(
-                f"  at step {s:3d}: {what}, next step {heavy.gap_after(t):.1f} s later"
-                for t, s, what in heavy.events
+                f"  at step {s:3d}: {what}, next step {heavy.gap_after(t):.1f} s later, "
+                f"{cost:+.1f} s until the next fault"
+                for (t, s, what), cost in zip(heavy.events, costs, strict=True)
             ),
             f"  ledger: {len(ledger['trained'])} trained, dropped {dict(_count(ledger['dropped']))}, "
             f"lost in flight {len(lost)}, data indices trained twice {twice}",
@@ -334,6 +355,6 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
     assert not lost, f"prompts lost in flight: {sorted(lost)}\n{report}"
     assert twice == 0, report
     assert heavy.longest_stall() <= stall_budget, report
-    assert heavy.wall_s <= 1.5 * calm.wall_s, report
+    assert heavy.wall_s <= 1.5 * undisturbed_s, report
     assert abs(heavy_acc - calm_acc) <= 0.15, report
     assert abs(train_acc["faults"] - train_acc["calm"]) <= 0.05, report

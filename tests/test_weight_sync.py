@@ -183,9 +183,12 @@ def push(
     new_group: bool,
     **extra: Any,
 ) -> None:
-    """What the learner does: plan, announce, (open a new epoch), send lazily one tensor at a time."""
+    """What the learner does: plan, (host a new epoch's store), announce, (form the group), send lazily one
+    tensor at a time."""
     plan = sender.plan(make_state(version).items())
     port = free_port(HOST) if new_group or sender.group is None else sender.group.master_port
+    if new_group:
+        sender.listen(port, len(ranks) + 1)
     replicas.announce(sender, plan, version, epoch, port, ranks, **extra)
     if new_group:
         sender.open(port, len(ranks) + 1, epoch)

@@ -42,6 +42,11 @@ class PushPath(Protocol):
     name: str  # ipc | group | tensor: the failure streak it counts towards
     replicas: list[str]
 
+    async def before_announcement(self) -> None:
+        """Puts in place what the replicas must find when the announcement reaches them (a failure shows in
+        deliver())."""
+        ...
+
     async def deliver(self, named_weights: NamedWeights, plan: SendPlan) -> PathOutcome:
         """Sends the announced version to this path's replicas (called after the announcement)."""
         ...
@@ -51,6 +56,9 @@ class PushPath(Protocol):
 class IpcPath:
     replicas: list[str]
     name: str = "ipc"
+
+    async def before_announcement(self) -> None:
+        return None  # the buffer was filled while planning
 
     async def deliver(self, named_weights: NamedWeights, plan: SendPlan) -> PathOutcome:
         return PathOutcome(settled=False)  # the buffer holds the version; each reader acks on NATS
@@ -69,8 +77,20 @@ class GroupPath:
     holders: Callable[[tuple[int, ...]], list[str]]  # group ranks -> the replicas that hold them
     log: FilteringBoundLogger  # the service's
     name: str = "group"
+    hosting_error: str = ""
+
+    async def before_announcement(self) -> None:
+        """A new group's store listens before the replicas read where it is."""
+        if not self.new_group:
+            return
+        try:
+            await asyncio.to_thread(self.sender.listen, self.port, self.world)
+        except WeightSyncError as exc:
+            self.hosting_error = str(exc)
 
     async def deliver(self, named_weights: NamedWeights, plan: SendPlan) -> PathOutcome:
+        if self.hosting_error:
+            return PathOutcome(self.hosting_error)
         try:
             if self.new_group:
                 self.log.info(
@@ -94,6 +114,9 @@ class TensorPath:
     group: TensorGroup
     epoch: int
     name: str = "tensor"
+
+    async def before_announcement(self) -> None:
+        return None  # the replicas' engines form their own group
 
     async def deliver(self, named_weights: NamedWeights, plan: SendPlan) -> PathOutcome:
         return PathOutcome(await self.push.send(self.group, self.epoch, named_weights))

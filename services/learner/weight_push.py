@@ -252,6 +252,8 @@ class WeightPusher:
             paths.append(TensorPath(tensor_ids, self.per_tensor, tensor_group, self.epoch))
         while not self._acks.empty():  # acks of an earlier push that timed out
             self._acks.get_nowait()
+        for path in paths:
+            await path.before_announcement()
         await self.ctx.state.put_announcement(encode(ann))
         settled = await self._deliver(paths, named_weights, plan, version)
         if settled is None:

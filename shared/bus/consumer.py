@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Protocol
 
@@ -12,8 +13,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from rlbus.bus.connect import log
-from rlbus.bus.disconnects import unless_disconnected
-from rlbus.bus.headers import ACK_IGNORED_TRIES, ACK_TIMEOUT_S, CLAIM_HEADER, ClaimMissingError
+from rlbus.bus.disconnects import disconnects_of, unless_disconnected
+from rlbus.bus.headers import (
+    ACK_AFTER_RECONNECT_S,
+    ACK_IGNORED_TRIES,
+    ACK_TIMEOUT_S,
+    CLAIM_HEADER,
+    ClaimMissingError,
+)
 from rlbus.bus.retry import PUBLISH_DEADLINE_S, RETRYABLE
 from rlbus.bus.subjects import Stage
 from rlbus.codec import CodecError
@@ -83,9 +90,13 @@ class Delivery:
     async def _ack_through_reconnects(self, timeout: float) -> bool:
         deadline = time.monotonic() + PUBLISH_DEADLINE_S
         delay, ignored = 0.1, 0
+        nc = self._consumer.bus.nc
+        # A server that just restarted may have lost this delivery and then ignores its ack without a word:
+        # the first try then waits briefly before asking the stream what became of the item.
+        wait_s = min(timeout, ACK_AFTER_RECONNECT_S) if disconnects_of(nc).recently_reconnected() else timeout
         while True:
             try:
-                await unless_disconnected(self._consumer.bus.nc, lambda: self.raw.ack_sync(timeout=timeout))
+                await unless_disconnected(nc, functools.partial(self.raw.ack_sync, timeout=wait_s))
                 return True
             except RETRYABLE as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -105,6 +116,7 @@ class Delivery:
                 )
                 return False
             log.warning("bus.retry", what="ack", error=error, retry_in_s=round(delay, 2))
+            wait_s = timeout
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 

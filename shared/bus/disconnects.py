@@ -10,6 +10,7 @@ connection drops, so the caller's retry goes out on the next one.
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -17,6 +18,11 @@ from typing import TypeVar
 from nats.aio.client import Client
 
 T = TypeVar("T")
+
+
+RECENT_RECONNECT_S = (
+    3.0  # this soon after a reconnect, the server and the other clients may still be settling
+)
 
 
 class ConnectionLostError(ConnectionError):
@@ -30,6 +36,7 @@ class Disconnects:
         self._current = asyncio.Event()
         self.connected = asyncio.Event()
         self.connected.set()  # first asked for a client rlbus.bus.connect returned connected
+        self.reconnected_at: float | None = None  # monotonic time of the last reconnect (None: never)
 
     def fire(self) -> None:
         """Called from the client's disconnected callback."""
@@ -39,7 +46,19 @@ class Disconnects:
 
     def reconnected(self) -> None:
         """Called from the client's reconnected callback."""
+        self.reconnected_at = time.monotonic()
         self.connected.set()
+
+    def recently_reconnected(self, within_s: float = RECENT_RECONNECT_S) -> bool:
+        """Whether the client came back less than `within_s` ago (or is away now): the server may have just
+        restarted (forgetting deliveries), and other clients may still be reconnecting."""
+        return self.since_reconnect() < within_s
+
+    def since_reconnect(self) -> float:
+        """Seconds since the client last came back (0 while it is away, infinity if it never left)."""
+        if not self.connected.is_set():
+            return 0.0
+        return float("inf") if self.reconnected_at is None else time.monotonic() - self.reconnected_at
 
     def current(self) -> asyncio.Event:
         """The event of the connection a request sent now goes out on."""

@@ -16,6 +16,8 @@ DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 MAX_REASON_CHARS = 1000
 ACK_TIMEOUT_S = 2.0
 """Wait for an ack's answer; an unanswered ack is then checked against the stream, so this can be short."""
+ACK_AFTER_RECONNECT_S = 0.25
+"""An ack's first wait right after a reconnect: a restarted server ignores acks of deliveries it lost."""
 ACK_IGNORED_TRIES = 2
 """Unanswered acks, with the server up and the delivery still pending, before an ack is given up on."""
 

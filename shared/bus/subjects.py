@@ -57,10 +57,10 @@ class RunNames:
         """Core-NATS subject of CUDA IPC replicas' per-version acks (only the waiting push cares)."""
         return f"{self.prefix}.weights.ack"
 
-    @property
-    def weight_join(self) -> str:
-        """Core-NATS subject of the learner's roll calls (rlbus.messages.JoinCall); answers go to its inbox."""
-        return f"{self.prefix}.weights.join"
+    def weight_join(self, replica_id: str) -> str:
+        """Core-NATS subject of the learner's roll calls to one replica (rlbus.messages.JoinCall); answers go
+        to the caller's inbox. One subject per replica, so NATS itself says at once when nobody listens."""
+        return f"{self.prefix}.weights.join.{replica_id}"
 
     def dlq_subject(self, stage: Stage | str) -> str:
         return f"{self.prefix}.dlq.{Stage(stage).value}"

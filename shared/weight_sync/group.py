@@ -176,8 +176,10 @@ class WeightGroup:
         device: torch.device | str | None = None,
         epoch: int = 0,
         rendezvous_timeout_s: float | None = None,
+        hosted: dist.TCPStore | None = None,
     ) -> WeightGroup:
-        """Join (rank>0) or host (rank 0) the group; blocks until all world_size ranks are there."""
+        """Join (rank>0) or host (rank 0) the group; blocks until all world_size ranks are there. `hosted`:
+        rank 0's store, listening since before the group was announced (`host_store`)."""
         if not 0 <= rank < world_size:
             raise WeightSyncError(f"rank {rank} is outside world size {world_size}")
         if backend not in ("gloo", "nccl"):
@@ -186,18 +188,10 @@ class WeightGroup:
         where = f"{master_addr}:{master_port} (epoch {epoch}, world size {world_size}, {backend})"
         dev = cls._resolve_device(backend, device)
         deadline = time.monotonic() + rdv_s
-        try:
-            store = dist.TCPStore(
-                master_addr,
-                master_port,
-                world_size,
-                is_master=rank == 0,
-                timeout=timedelta(seconds=rdv_s),
-                wait_for_workers=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError/ValueError
-            verb = "host" if rank == 0 else "reach"
-            raise WeightSyncError(f"rank {rank} could not {verb} the weight store at {where}: {exc}") from exc
+        if hosted is not None and rank == 0:
+            store: dist.TCPStore = hosted
+        else:
+            store = cls._store_at(master_addr, master_port, world_size, rank == 0, rdv_s, where)
         pg = None
         try:
             cls._rendezvous(
@@ -227,6 +221,35 @@ class WeightGroup:
             master_port=master_port,
             epoch=epoch,
         )
+
+    @classmethod
+    def host_store(
+        cls, master_addr: str, master_port: int, world_size: int, timeout_s: float
+    ) -> dist.TCPStore:
+        """Rank 0's store, listening when this returns. Host it before announcing the group: a rank that
+        knocks before the store listens is refused, and torch's client backs off ~0.5 s before it knocks
+        again, so every rank of the group (the learner included) waits that long."""
+        where = f"{master_addr}:{master_port} (world size {world_size})"
+        return cls._store_at(master_addr, master_port, world_size, True, timeout_s, where)
+
+    @staticmethod
+    def _store_at(
+        addr: str, port: int, world: int, master: bool, timeout_s: float, where: str
+    ) -> dist.TCPStore:
+        try:
+            return dist.TCPStore(
+                addr,
+                port,
+                world,
+                is_master=master,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError/ValueError
+            verb = "host" if master else "reach"
+            raise WeightSyncError(
+                f"rank {0 if master else '>0'} could not {verb} the weight store at {where}: {exc}"
+            ) from exc
 
     @staticmethod
     def _resolve_device(backend: Backend, device: torch.device | str | None) -> torch.device:

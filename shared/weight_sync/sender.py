@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlbus.weight_sync.errors import WeightSyncError
 from rlbus.weight_sync.group import Backend, WeightGroup, _control, _Pending
@@ -108,6 +109,7 @@ class WeightSender:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.verify = verify
         self._group: WeightGroup | None = None
+        self._hosted: tuple[int, dist.TCPStore] | None = None  # (port, store) hosted for the next group
         # Two packing buffers, kept between pushes (fresh pages cost as much as the copy); close() frees them.
         self._buffers: list[torch.Tensor | None] = [None, None]
         self.last_send_seconds: float = 0.0
@@ -138,12 +140,22 @@ class WeightSender:
     def plan_from_metas(self, metas: Sequence[TensorMeta], checksum: float) -> SendPlan:
         return SendPlan(list(metas), plan_buckets(metas, self.bucket_bytes), float(checksum))
 
-    def open(self, port: int, world_size: int, epoch: int) -> None:
-        """Host the epoch's group at host:port and block until all world_size ranks joined.
+    def listen(self, port: int, world_size: int) -> None:
+        """Listen at host:port for the next group's ranks (closing the current group), before it is announced:
+        ranks that come early find the store listening instead of backing off (WeightGroup.host_store)."""
+        self.close()
+        rdv_s = self.timeout_s if self.rendezvous_timeout_s is None else self.rendezvous_timeout_s
+        self._hosted = (port, WeightGroup.host_store(self.host, port, world_size, rdv_s))
 
-        Announce the epoch first (receivers block in the same rendezvous). An old group is closed first; on
-        timeout this raises WeightSyncError and the sender stays closed and reusable for another open().
+    def open(self, port: int, world_size: int, epoch: int) -> None:
+        """Form the epoch's group at host:port and block until all world_size ranks joined.
+
+        Call listen() with the same port before announcing the epoch (receivers block in the same rendezvous);
+        without it the store starts listening here. An old group is closed first; on timeout this raises
+        WeightSyncError and the sender stays closed and reusable for another open().
         """
+        hosted = self._hosted[1] if self._hosted is not None and self._hosted[0] == port else None
+        self._hosted = None  # the group owns it from here
         self.close()
         self._group = WeightGroup.create(
             self.host,
@@ -155,6 +167,7 @@ class WeightSender:
             device=self.device,
             epoch=epoch,
             rendezvous_timeout_s=self.rendezvous_timeout_s,
+            hosted=hosted,
         )
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], plan: SendPlan) -> None:
@@ -269,6 +282,7 @@ class WeightSender:
     def close(self) -> None:
         """Close the group (receivers' pending broadcasts fail at once) and free the packing buffers."""
         group, self._group = self._group, None
+        self._hosted = None
         self._buffers = [None, None]
         if group is not None:
             group.close()
