@@ -177,7 +177,7 @@ def _cmd_bus_credentials(args: argparse.Namespace) -> int:
     from rlbus.bus.subjects import RunNames
 
     cfg = _load(args)
-    auth = write_stack_credentials(Path(args.into), RunNames(cfg.run.id), cfg.needs_ref)
+    auth = write_stack_credentials(Path(args.into), RunNames(cfg.run.id, cfg.bus.partitions), cfg.needs_ref)
     print(f"rlbus bus-credentials: one NKey per role under {args.into}; the server's users in {auth}")
     return 0
 

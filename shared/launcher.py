@@ -159,7 +159,9 @@ def bus_users(cfg: RlbusConfig, procs: list[ServiceProcess]) -> list[RoleUser]:
     from rlbus.bus.roles import Role, make_users
     from rlbus.bus.subjects import RunNames
 
-    return make_users(RunNames(cfg.run.id), {instance_of(p): cast(Role, p.service) for p in procs})
+    return make_users(
+        RunNames(cfg.run.id, cfg.bus.partitions), {instance_of(p): cast(Role, p.service) for p in procs}
+    )
 
 
 def instance_of(p: ServiceProcess) -> str:
@@ -193,7 +195,7 @@ def prepare_run(
     server: LocalNatsServer | LocalNatsCluster | None
     if users is not None and not cfg.bus.url:
         write_reader(users, run_dir / "nats")
-        auth = authorization_block(users, RunNames(cfg.run.id), cfg.needs_ref)
+        auth = authorization_block(users, RunNames(cfg.run.id, cfg.bus.partitions), cfg.needs_ref)
         reader = next(u for u in users if u.role == "reader")
         url, server = start_run_server(cfg.bus, run_dir, auth, (reader.user, reader.password))
     elif not cfg.bus.url and cfg.bus.cluster_size > 1:  # an open cluster of the run's own (bus.roles=false)

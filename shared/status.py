@@ -57,8 +57,8 @@ async def _stage_info(bus: Any, stage: Any) -> dict[str, Any]:
     except NotFoundError:
         return out
     try:
-        infos = await bus.js.consumers_info(bus.names.stream(stage))
-        out["consumers"] = sorted(str(i.name) for i in infos)
+        infos = [i for stream in bus.names.streams(stage) for i in await bus.js.consumers_info(stream)]
+        out["consumers"] = sorted({str(i.name) for i in infos})
         out["pending"] = sum(int(i.num_pending or 0) for i in infos)
         out["in_work"] = sum(int(i.num_ack_pending or 0) for i in infos)
     except Exception:  # older servers or a consumer deleted meanwhile: depth alone still says a lot

@@ -54,13 +54,14 @@ async def prepare_bus(ctx: ServiceContext, fresh: bool) -> Attempt:
     if fresh:
         await ctx.bus.purge_run()  # a fresh run never trains on a previous run's leftovers
     else:
-        with contextlib.suppress(Exception):
-            await ctx.bus.js.purge_stream(ctx.bus.names.stream(Stage.PROMPTS))
+        for stream in ctx.bus.names.streams(Stage.PROMPTS):
+            with contextlib.suppress(Exception):
+                await ctx.bus.js.purge_stream(stream)
         # Ready groups the dead attempt fetched and never acked would stay invisible for the consumer's
         # whole ack wait (600 s): dropping the durable hands them to our new consumer at once (the
         # work-queue stream keeps every un-acked message), where they are counted as leftovers.
         with contextlib.suppress(Exception):
-            await ctx.bus.js.delete_consumer(ctx.bus.names.stream(Stage.READY), LEARNER_DURABLE)
+            await ctx.bus.delete_consumer(Stage.READY, LEARNER_DURABLE)
     await state.put_json(ATTEMPTS_KEY, attempt.number + 1)  # prompt ids of the next start differ
     return attempt
 

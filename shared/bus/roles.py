@@ -60,7 +60,11 @@ def role_permissions(role: Role, names: RunNames, instance: str = "", needs_ref:
     """The NATS `permissions` block of one user: publish allow (and deny) lists, subscribe to anything."""
     state, blobs = names.state_bucket, names.blobs_bucket
     if role == "learner":
-        others = [names.subject(Stage.TRAJECTORIES), names.subject(Stage.SCORED), names.subject(Stage.READY)]
+        others = [
+            *names.subjects(Stage.TRAJECTORIES),
+            *names.subjects(Stage.SCORED),
+            *names.subjects(Stage.READY),
+        ]
         foreign_beats = [f"$KV.{state}.{HEARTBEAT_PREFIX}.{svc}.>" for svc in ("rollout", "reward", "ref")]
         return {"publish": {"allow": [">"], "deny": [*others, *foreign_beats]}, "subscribe": {"allow": [">"]}}
     if role == "reader":
@@ -69,19 +73,19 @@ def role_permissions(role: Role, names: RunNames, instance: str = "", needs_ref:
             "publish": {"allow": [*_READ_API, consumers, f"$JS.API.CONSUMER.CREATE.KV_{state}"]},
             "subscribe": {"allow": [">"]},
         }
-    source = names.stream(INPUT_STAGE[role])
+    sources = names.streams(INPUT_STAGE[role])
     outputs = {
-        "rollout": [names.subject(Stage.TRAJECTORIES), names.weight_ack],
-        "reward": [names.subject(Stage.SCORED if needs_ref else Stage.READY)],
-        "ref": [names.subject(Stage.READY)],
+        "rollout": [*names.subjects(Stage.TRAJECTORIES), names.weight_ack],
+        "reward": names.subjects(Stage.SCORED if needs_ref else Stage.READY),
+        "ref": names.subjects(Stage.READY),
     }[role]
     allow = [
         *_READ_API,
         "$JS.API.STREAM.CREATE.>",  # ensure: creating what exists with the same setup is a no-op
         "$JS.API.CONSUMER.CREATE.>",
         "$JS.API.CONSUMER.DURABLE.CREATE.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{source}.>",  # fetch from its own input only
-        f"$JS.ACK.{source}.>",  # and acknowledge only that
+        *(f"$JS.API.CONSUMER.MSG.NEXT.{source}.>" for source in sources),  # fetch from its own input only
+        *(f"$JS.ACK.{source}.>" for source in sources),  # and acknowledge only that
         f"$JS.API.STREAM.PURGE.OBJ_{blobs}",  # a consumed claim-checked payload is deleted
         f"$O.{blobs}.>",  # a large output goes by claim check
         names.dlq_subject(INPUT_STAGE[role]),

@@ -33,15 +33,13 @@ from rlbus.bus.connect import log
 from rlbus.bus.consumer import Consumer
 from rlbus.bus.disconnects import unless_disconnected
 from rlbus.bus.duplicates import DIGEST_HEADER, DuplicateVerdict, judge_duplicate, payload_digest
+from rlbus.bus.fan_in import FanInConsumer
 from rlbus.bus.headers import (
     _NAME_RE,
     CLAIM_HEADER,
     CLAIM_SIZE_HEADER,
     CONSUMER_HEADER,
     DELIVERED_HEADER,
-    DLQ_MAX_AGE_S,
-    DLQ_MAX_MSGS,
-    DUPLICATE_WINDOW_S,
     HEADER_HEADROOM,
     KIND_HEADER,
     MSG_ID_HEADER,
@@ -61,7 +59,8 @@ from rlbus.bus.headers import (
 from rlbus.bus.object_read import read_object
 from rlbus.bus.retry import with_retry
 from rlbus.bus.state import RunState
-from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage
+from rlbus.bus.streams import ensure_work_streams
+from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage, partition_key
 from rlbus.config.schema import BusConfig, RlbusConfig
 from rlbus.messages import Message, encode
 
@@ -93,8 +92,8 @@ class Bus:
     def __init__(self, nc: Client, run_id: str, cfg: BusConfig | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self.names = RunNames(run_id)
         self.cfg = cfg or BusConfig()
+        self.names = RunNames(run_id, self.cfg.partitions)
         self._obs: ObjectStore | None = None
         self._state: RunState | None = None
         self.duplicates: dict[DuplicateVerdict, int] = dict.fromkeys(DuplicateVerdict, 0)
@@ -152,50 +151,10 @@ class Bus:
 
     # ---------------------------------------------------------------- streams
 
-    async def _add_or_update(self, config: js_api.StreamConfig) -> None:
-        try:
-            await self.js.add_stream(config)
-        except BadRequestError as exc:
-            if exc.err_code != 10058:  # "stream name already in use with a different configuration"
-                raise
-            try:
-                await self.js.update_stream(config)
-            except BadRequestError as exc2:
-                raise BusError(
-                    f"stream {config.name} exists with a setup that cannot change to what this run asks "
-                    f"({exc2.description}); delete the run (`rlbus up --fresh`) or use the same bus.storage"
-                ) from exc2
-
     async def ensure_streams(self, storage: str = "file") -> None:
-        """Create or update the work-queue streams, the DLQ and the blob store. Idempotent."""
+        """Create or update the work-queue streams (every partition), the DLQ and the blob store. Idempotent."""
         st = _storage(storage)
-        for stage in Stage:
-            await self._add_or_update(
-                js_api.StreamConfig(
-                    name=self.names.stream(stage),
-                    subjects=[self.names.subject(stage)],
-                    retention=js_api.RetentionPolicy.WORK_QUEUE,
-                    storage=st,
-                    max_msg_size=-1,
-                    duplicate_window=DUPLICATE_WINDOW_S,
-                    discard=js_api.DiscardPolicy.OLD,
-                    num_replicas=self.cfg.stream_replicas,
-                )
-            )
-        await self._add_or_update(
-            js_api.StreamConfig(
-                name=self.names.dlq_stream,
-                num_replicas=self.cfg.stream_replicas,
-                subjects=[self.names.dlq_wildcard],
-                retention=js_api.RetentionPolicy.LIMITS,
-                storage=st,
-                max_msg_size=-1,
-                max_msgs=DLQ_MAX_MSGS,
-                max_age=DLQ_MAX_AGE_S,
-                duplicate_window=DUPLICATE_WINDOW_S,
-                discard=js_api.DiscardPolicy.OLD,
-            )
-        )
+        await ensure_work_streams(self.js, self.names, st, self.cfg.stream_replicas)
         self._obs = await self._object_store(create=True, storage=st)
 
     async def _object_store(
@@ -219,8 +178,8 @@ class Bus:
 
     async def stream_depth(self, stage: Stage | str) -> int:
         """Messages in the stage's stream: queued or handed out but not yet acked."""
-        info = await self.js.stream_info(self.names.stream(stage))
-        return int(info.state.messages)
+        infos = [await self.js.stream_info(stream) for stream in self.names.streams(stage)]
+        return sum(int(info.state.messages) for info in infos)
 
     async def dead_letter_count(self, stage: Stage | str | None = None) -> int:
         """Dead letters kept for the run (or for one stage)."""
@@ -280,7 +239,8 @@ class Bus:
         hdrs = {KIND_HEADER: message.kind, **(headers or {})}
         hdrs[MSG_ID_HEADER] = msg_id if msg_id is not None else f"auto-{self.nc._nuid.next().decode()}"
         hdrs[DIGEST_HEADER] = payload_digest(data)
-        subject, stream = self.names.subject(stage), self.names.stream(stage)
+        part = self.names.partition_of(partition_key(message) or hdrs[MSG_ID_HEADER])
+        subject, stream = self.names.subject(stage, part), self.names.stream(stage, part)
         if len(data) <= self.inline_limit:
             ack = await self._js_publish(subject, data, stream, hdrs, what=f"publish {stage.value}")
             result = PublishResult(ack.stream, ack.seq, bool(ack.duplicate), len(data))
@@ -385,8 +345,9 @@ class Bus:
         ack_wait_s: float | None = None,
         max_deliver: int | None = None,
         max_ack_pending: int = 1000,
-    ) -> Consumer:
-        """Pull consumer on a stage. `expected` defaults to the stage's message type.
+    ) -> Consumer | FanInConsumer:
+        """Pull consumer on a stage (every partition of it, fetched from as one). `expected` defaults to the
+        stage's message type.
 
         A work-queue stream allows one durable per stage: all replicas of a service share `durable`.
         """
@@ -395,7 +356,26 @@ class Bus:
             raise ValueError(f"durable name {durable!r} must match {_NAME_RE.pattern}")
         ack_wait = float(ack_wait_s if ack_wait_s is not None else self.cfg.ack_wait_s)
         deliver = int(max_deliver if max_deliver is not None else self.cfg.max_deliver)
-        stream, subject = self.names.stream(stage), self.names.subject(stage)
+        expected_cls = expected if expected is not None else STAGE_MESSAGE[stage]
+        parts = [
+            await self._partition_consumer(
+                stage, k, durable, expected_cls, ack_wait, deliver, max_ack_pending
+            )
+            for k in range(self.names.partitions)
+        ]
+        return parts[0] if len(parts) == 1 else FanInConsumer(parts)
+
+    async def _partition_consumer(
+        self,
+        stage: Stage,
+        partition: int,
+        durable: str,
+        expected: type[Message],
+        ack_wait: float,
+        deliver: int,
+        max_ack_pending: int,
+    ) -> Consumer:
+        stream, subject = self.names.stream(stage, partition), self.names.subject(stage, partition)
         config = js_api.ConsumerConfig(
             name=durable,
             durable_name=durable,
@@ -418,15 +398,18 @@ class Bus:
             # Exists with settings that cannot be changed in place: bind to it as it is.
             log.warning("bus.consumer_kept", stage=stage.value, durable=durable, reason=exc.description)
         sub = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
-        expected_cls = expected if expected is not None else STAGE_MESSAGE[stage]
-        return Consumer(self, stage, durable, expected_cls, sub, ack_wait, deliver)
+        return Consumer(self, stage, durable, expected, sub, ack_wait, deliver)
 
     async def delete_consumer(self, stage: Stage | str, durable: str) -> bool:
-        """Remove a stage's durable consumer (un-acked items return to the queue for the next one)."""
-        try:
-            return bool(await self.js.delete_consumer(self.names.stream(stage), durable))
-        except NotFoundError:
-            return False
+        """Remove a stage's durable consumer from every partition (un-acked items return to the queue for the
+        next one); whether any was there."""
+        found = False
+        for stream in self.names.streams(stage):
+            try:
+                found = bool(await self.js.delete_consumer(stream, durable)) or found
+            except NotFoundError:
+                pass
+        return found
 
     # ---------------------------------------------------------------- dead letters
 

@@ -354,6 +354,14 @@ class BusConfig(Section):
         description="copies of each stream, KV bucket and object store on a clustered bus (0: 3 when "
         "bus.cluster_size >= 3, else 1); set 3 for an external cluster (compose, k8s)",
     )
+    partitions: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="subjects (each a stream of its own) per stage, a work item's prompt id hashed to one: "
+        "on a cluster each partition has its own stream leader, and every service fetches from all of "
+        "them; every process of a run must use the same number",
+    )
     user: str | None = Field(None, description="NATS user (with bus.password)")
     password: str | None = Field(None, description="NATS password")
     token: str | None = Field(None, description="NATS token")

@@ -1,0 +1,83 @@
+"""One stage's partitions behind one `fetch()`: a service serves every partition of its input.
+
+Each partition is a pull consumer of its own (the same durable name on each partition's stream, so replicas
+of a service still share the work). `fetch` keeps one long-poll open per partition and hands out whatever
+arrives first, so an idle partition never delays a busy one. A poll that returns after `fetch` did keeps its
+deliveries for the next `fetch` (at most `batch` per partition are held that way); the services call `fetch`
+in a loop, far more often than an ack wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rlbus.bus.connect import log
+from rlbus.bus.consumer import Consumer, Delivery
+
+POLL_S = 1.0  # one long-poll's wait on an empty partition
+
+
+class FanInConsumer:
+    """The consumers of one stage's partitions, fetched from as one."""
+
+    def __init__(self, parts: list[Consumer]) -> None:
+        if not parts:
+            raise ValueError("a fan-in needs at least one partition")
+        self.parts = parts
+        self.stage = parts[0].stage
+        self.durable = parts[0].durable
+        self._ready: list[Delivery] = []
+        self._arrived = asyncio.Event()
+        self._polls: dict[int, asyncio.Task[None]] = {}
+
+    @property
+    def dead_letters(self) -> int:
+        return sum(p.dead_letters for p in self.parts)
+
+    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery]:
+        """Up to `batch` valid deliveries from any partition, waiting at most `timeout` s for the first."""
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            self._poll_idle_partitions(batch)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=left)
+            except TimeoutError:
+                break
+        out, self._ready = self._ready[:batch], self._ready[batch:]
+        return out
+
+    def _poll_idle_partitions(self, batch: int) -> None:
+        for k, part in enumerate(self.parts):
+            poll = self._polls.get(k)
+            if poll is None or poll.done():
+                self._polls[k] = asyncio.ensure_future(self._poll(part, batch))
+
+    async def _poll(self, part: Consumer, batch: int) -> None:
+        got = await part.fetch(batch=batch, timeout=POLL_S)
+        if got:
+            self._ready.extend(got)
+            self._arrived.set()
+
+    async def pending(self) -> int:
+        """Items waiting in every partition plus items handed out but not yet acked."""
+        return sum([await p.pending() for p in self.parts])
+
+    async def close(self) -> None:
+        """Stop polling; deliveries fetched but not handed out go back to their queues at once."""
+        polls, self._polls = list(self._polls.values()), {}
+        for poll in polls:
+            poll.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        held, self._ready = self._ready, []
+        for delivery in held:
+            try:
+                await delivery.nak()
+            except Exception as exc:  # noqa: BLE001 - unreachable: it comes back after its ack wait
+                log.debug("bus.fan_in_return_failed", stage=self.stage.value, error=str(exc))
+        for part in self.parts:
+            await part.close()
