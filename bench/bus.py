@@ -120,12 +120,9 @@ def replica_process(
             async def one(i: int) -> None:
                 nonlocal in_window
                 try:
-                    await bus.publish(
-                        Stage.TRAJECTORIES,
-                        _group(cfg.run.id, proc, i, samples),
-                        msg_id=f"{_prompt_id(proc, i)}:traj",
-                    )
-                    if window[0] <= time.time() < window[1]:
+                    group = _group(cfg.run.id, proc, i, samples)
+                    await bus.publish(Stage.TRAJECTORIES, group, msg_id=f"{_prompt_id(proc, i)}:traj")
+                    if window[0] <= float(group.work.meta["bench_t0"]) < window[1]:
                         in_window += 1
                 finally:
                     gate.release()
@@ -151,7 +148,8 @@ async def learner_side(
     cfg: RlbusConfig, ledger: Ledger, window: tuple[float, float], until: float, res: Result
 ):
     """The learner's consumer, admission and routing on every ready group, the ledger settled, each acked;
-    returns the groups taken in the window and the learner process's CPU seconds spent on them."""
+    returns how many of the groups offered in the window arrived (by `until`) and the learner process's CPU
+    seconds in the window."""
     limits = ready_limits(cfg, VOCAB)
     taken = 0
     cpu0 = cpu1 = None
@@ -182,9 +180,9 @@ async def learner_side(
                     ledger.trained[pid] = 0
                 batch.append(d)
                 arrived = time.time()
-                if window[0] <= arrived < window[1]:
+                t0 = float(group.scored.trajectories.work.meta["bench_t0"])
+                if window[0] <= t0 < window[1]:  # offered in the window: counted whenever it arrives
                     taken += 1
-                    t0 = float(group.scored.trajectories.work.meta["bench_t0"])
                     stored = d.raw.metadata.timestamp.timestamp()
                     res.hop_ms.setdefault("replica -> ready stored", []).append((stored - t0) * 1e3)
                     res.hop_ms.setdefault("ready stored -> learner", []).append((arrived - stored) * 1e3)

@@ -170,6 +170,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlbus.replay import ReplayError, replay
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "replay"
+    try:
+        paths, samples = replay(run_dir, out, args.format)
+    except ReplayError as exc:
+        print(f"rlbus replay: {exc}", file=sys.stderr)
+        return 2
+    print(f"{samples} trained samples of {len(paths)} steps written to {out} ({args.format})")
+    return 0
+
+
 def _cmd_bus_credentials(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -230,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--into", required=True, help="folder: <role>/seed.nk and server/auth.conf")
     p.set_defaults(func=_cmd_bus_credentials)
+
+    p = sub.add_parser(
+        "replay", help="export a run's trajectory log (bus.trajectory_log) in verl's rollout_data_dir schema"
+    )
+    p.add_argument("run_dir", help="the run's directory (run.dir/run.id)")
+    p.add_argument("--out", default=None, help="output directory (default: <run dir>/replay)")
+    p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet", help="one file per step")
+    p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rlbus.bus.trajectory_log import TrajectoryLog
 from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
-from rlbus.learner.dispatch import DEAD_LETTERED, REFUSED, Dispatcher, Ledger
+from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
+from rlbus.learner.step_metrics import run_counters
 from rlbus.messages import ReadyGroup
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
 from rlbus.verl_metric_names import validation_row
@@ -73,6 +75,7 @@ class Learner:
         self.start_step = 0  # training steps already done (a resumed checkpoint's step)
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | None = None
+        self.trajectory_log: TrajectoryLog | None = None  # bus.trajectory_log
         self.forced_push_at = 0.0
         self.rolling = None  # the rolling checkpointer, once set up (rlbus.learner.rolling_checkpoint)
 
@@ -144,6 +147,11 @@ class Learner:
             max_deliver=self.cfg.bus.max_deliver,
         )
         self.gatherer = Gatherer(self, consumer)
+        if cfg.bus.trajectory_log:
+            self.trajectory_log = TrajectoryLog(
+                self.ctx.bus, cfg.bus.trajectory_log_max_age_h, cfg.bus.trajectory_log_max_gb
+            )
+            await self.trajectory_log.ensure()
         self.rolling = self._rolling()
         await self.ctx.bus.nc.subscribe(self.ctx.bus.names.dlq_wildcard, cb=self._on_dead_letter)
         await self.ctx.state.set_policy_version(self.version)
@@ -330,8 +338,10 @@ class Learner:
                 write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
             self.version += 1
             # the trained groups' acks (each a round trip to the server) go beside the new version's push
-            settle_s, push_s = await asyncio.gather(
-                self._settle_trained(deliveries, step), self._push_new_version()
+            settle_s, push_s, _ = await asyncio.gather(
+                self._settle_trained(deliveries, step),
+                self._push_new_version(),
+                self._log_trained(groups, step),
             )
             t_pushed = time.perf_counter()
             tokens = int(batch.response_mask.sum())
@@ -371,6 +381,11 @@ class Learner:
         await asyncio.gather(*(self.settle(d, None, step) for d in deliveries))
         return time.perf_counter() - t0
 
+    async def _log_trained(self, groups: list, step: int) -> None:
+        """The step's groups into the run's trajectory log (bus.trajectory_log), 1-based as in metrics."""
+        if self.trajectory_log is not None:
+            await self.trajectory_log.append(step + 1, groups)
+
     async def _push_new_version(self) -> float:
         """Hand the new version to the replicas and announce it; returns the seconds it took."""
         t0 = time.perf_counter()
@@ -400,26 +415,15 @@ class Learner:
         self.pusher.close()
 
     def _step_metrics(self, tokens: int, tokens_per_s: float) -> dict[str, float]:
-        """The run's counters after a step: throughput, policy version, drops, pushes, the ledger."""
-        ledger, pusher = self.ledger, self.pusher
-        return {
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/step_tokens": float(tokens),
-            "learner/ranks": float(self.trainer.par.world_size),
-            "policy/version": float(self.version),
-            "staleness/dropped_total": float(ledger.dropped_count("stale")),
-            "dapo/filtered_total": float(ledger.dropped_count("zero_variance")),
-            "bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0)),
-            "weights/push_failures": float(pusher.failures),
-            "weights/handoff_s": float(pusher.last_seconds),
-            "weights/ack_wait_s": float(pusher.last_ack_wait_seconds),
-            "prompts/dispatched": float(len(ledger.dispatched)),
-            "prompts/trained": float(len(ledger.trained)),
-            "prompts/leftovers": float(ledger.leftovers),
-            "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
-            "prompts/refused": float(ledger.dropped_count(REFUSED)),
-            "checkpoint/rolling_stage_s_total": self.rolling.staged_total_s if self.rolling else 0.0,
-        }
+        return run_counters(
+            self.ledger,
+            self.pusher,
+            self.trainer.par.world_size,
+            self.version,
+            tokens,
+            tokens_per_s,
+            self.rolling,
+        ) | {"bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0))}
 
     async def validate_only(self) -> int:
         """trainer.val_only (verl): held-out scores of the starting (or resumed) policy, logged at its step."""
@@ -440,23 +444,10 @@ class Learner:
     async def drain(self, timeout_s: float = 60.0) -> None:
         """After the last step: collect what is still in flight and record it as dropped ('run_finished')."""
         deadline = time.monotonic() + timeout_s
-        held, self.gatherer.overflow = (
-            self.gatherer.overflow,
-            [],
-        )  # groups set aside while the final validation ran
-        for d in held:
-            pid = d.message.scored.trajectories.work.prompt_id
-            if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
-                await self.settle(d, "run_finished")
-            else:
-                await d.ack()
+        held, self.gatherer.overflow = self.gatherer.overflow, []  # set aside while the final validation ran
+        await self._settle_after_the_end(held)
         while self.ledger.in_flight > 0 and time.monotonic() < deadline:
-            for d in await self.gatherer.consumer.fetch(batch=64, timeout=1.0):
-                pid = d.message.scored.trajectories.work.prompt_id
-                if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
-                    await self.settle(d, "run_finished")
-                else:
-                    await d.ack()
+            await self._settle_after_the_end(await self.gatherer.consumer.fetch(batch=64, timeout=1.0))
         for pid in self.ledger.dispatched:
             if not self.ledger.is_settled(pid):
                 self.ledger.dropped[pid] = "run_finished_in_flight"
@@ -467,6 +458,14 @@ class Learner:
             dispatched=len(self.ledger.dispatched),
             duplicates=self.ledger.duplicates,
         )
+
+    async def _settle_after_the_end(self, deliveries: list) -> None:
+        for d in deliveries:
+            pid = d.message.scored.trajectories.work.prompt_id
+            if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
+                await self.settle(d, "run_finished")
+            else:
+                await d.ack()
 
 
 async def learner_loop(ctx: ServiceContext) -> int:

@@ -123,11 +123,21 @@ class RunNames:
     def state_bucket(self) -> str:
         return f"rlbus_{self.run_id}_state"
 
+    @property
+    def trained_subject(self) -> str:
+        """The trajectory log's subject: every trained group (rlbus.bus.trajectory_log)."""
+        return f"{self.prefix}.trained"
+
+    @property
+    def trained_stream(self) -> str:
+        return f"RLBUS_{self.run_id}_TRAINED"
+
     def all_streams(self) -> list[str]:
         """Every JetStream stream of the run, including the ones behind the KV and object buckets."""
         return [
             *(stream for stage in Stage for stream in self.streams(stage)),
             self.dlq_stream,
+            self.trained_stream,
             f"OBJ_{self.blobs_bucket}",
             f"KV_{self.state_bucket}",
         ]

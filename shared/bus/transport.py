@@ -110,12 +110,14 @@ class Bus:
         name: str = "rlbus",
         ensure: bool = True,
         storage: str | None = None,
+        wait_s: float = 30.0,
     ) -> Bus:
-        """Connect (url defaults to `cfg.bus.url`) and, unless `ensure=False`, create the run's streams."""
+        """Connect (url defaults to `cfg.bus.url`; BusConnectError after `wait_s`) and, unless `ensure=False`,
+        create the run's streams."""
         target = url or cfg.bus.url
         if not target:
             raise BusError("no NATS url: pass one or set bus.url (see rlbus.bus.resolve_bus_url)")
-        nc = await _connect(cfg.bus, target, name)
+        nc = await _connect(cfg.bus, target, name, wait_s=wait_s)
         bus = cls(nc, cfg.run.id, cfg.bus)
         if ensure:
             try:

@@ -362,6 +362,17 @@ class BusConfig(Section):
         "on a cluster each partition has its own stream leader, and every service fetches from all of "
         "them; every process of a run must use the same number",
     )
+    trajectory_log: bool = Field(
+        False,
+        description="keep every trained group in a retained stream of the run (limits below), for "
+        "`rlbus replay <run dir>` to export to parquet in verl's rollout_data_dir schema",
+    )
+    trajectory_log_max_age_h: float = Field(
+        168.0, gt=0, description="hours a trained group stays in the trajectory log"
+    )
+    trajectory_log_max_gb: float = Field(
+        10.0, gt=0, description="size of the trajectory log; the oldest groups go first beyond it"
+    )
     user: str | None = Field(None, description="NATS user (with bus.password)")
     password: str | None = Field(None, description="NATS password")
     token: str | None = Field(None, description="NATS token")
