@@ -45,7 +45,9 @@ COMPOSE_FILES = [
     COMPOSE / "docker-compose.gpu.yml",
     COMPOSE / "docker-compose.gpu1.yml",
     COMPOSE / "docker-compose.ports.yml",
+    COMPOSE / "docker-compose.cluster.yml",
 ]
+CLUSTER = COMPOSE / "docker-compose.cluster.yml"
 DOCKERFILES = [COMPOSE / "Dockerfile.cpu", COMPOSE / "Dockerfile.cuda"]
 K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 SBATCH = SLURM / "rlbus.sbatch"
@@ -234,8 +236,8 @@ def test_compose_spec_check_rejects_a_typo(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "files",
-    [COMPOSE_FILES[:1], COMPOSE_FILES[:2], [COMPOSE_FILES[0], COMPOSE_FILES[2]]],
-    ids=["cpu", "cpu+gpu", "cpu+gpu1"],
+    [COMPOSE_FILES[:1], COMPOSE_FILES[:2], [COMPOSE_FILES[0], COMPOSE_FILES[2]], [COMPOSE_FILES[0], CLUSTER]],
+    ids=["cpu", "cpu+gpu", "cpu+gpu1", "cpu+cluster"],
 )
 def test_docker_compose_config_accepts_the_stack(files: list[Path]) -> None:
     args = [optional_tool("docker-compose")]
@@ -330,6 +332,73 @@ def test_compose_environment_is_a_valid_config(monkeypatch: pytest.MonkeyPatch) 
                     m.setenv(key, resolve_compose_vars(str(value)))
             cfg = load_config(COMPOSE / "config.yaml")
         assert cfg.bus.url == "nats://nats:4222" and cfg.run.health_port == HEALTH_PORT
+
+
+def test_compose_cluster_profile_is_three_routed_nodes_and_r3_streams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    merged = yaml.safe_load(
+        check(
+            [optional_tool("docker-compose"), "-f", str(COMPOSE_FILES[0]), "-f", str(CLUSTER), "config"],
+            cwd=ROOT,
+            env={**os.environ, "RLBUS_RUN__ID": "t1"},
+        )
+    )["services"]
+    nodes = {name: merged[name] for name in ("nats", "nats-2", "nats-3")}
+    flags = {
+        name: {flag: svc["command"][svc["command"].index(flag) + 1] for flag in ("--name", "--routes")}
+        for name, svc in nodes.items()
+    }
+    assert sorted(f["--name"] for f in flags.values()) == ["n1", "n2", "n3"]
+    routes = {f["--routes"] for f in flags.values()}
+    assert routes == {"nats://nats:6222,nats://nats-2:6222,nats://nats-3:6222"}
+    stores = {next(v for v in svc["volumes"] if v.endswith(":/data:rw")) for svc in nodes.values()}
+    assert len(stores) == 3, "two NATS nodes share a store"
+    # the servers accept the flags with the shipped nats.conf (and the one-shot's users)
+    from rlbus.bus.stack_credentials import SERVER_DIR, write_stack_credentials
+    from rlbus.bus.subjects import RunNames
+
+    shutil.copy(COMPOSE / "nats.conf", tmp_path / "rlbus.conf")
+    write_stack_credentials(tmp_path / "creds", RunNames("t1"), needs_ref=False)
+    (tmp_path / "auth").symlink_to(tmp_path / "creds" / SERVER_DIR)
+    command = [
+        c.replace("/etc/nats/rlbus.conf", str(tmp_path / "rlbus.conf")) for c in nodes["nats-2"]["command"]
+    ]
+    check([tool("nats-server"), *[c.replace("/data", str(tmp_path / "d")) for c in command], "-t"])
+    for name in (*RLBUS_SERVICES, "check", "status"):
+        env = merged[name]["environment"]
+        assert env["RLBUS_BUS__URL"].count("nats://") == 3, name
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                if key.startswith("RLBUS_") and key != "RLBUS_BUS__NKEYS_SEED":
+                    m.setenv(key, str(value))
+            cfg = load_config(COMPOSE / "config.yaml")
+        assert cfg.bus.stream_replicas == 3, name
+        if name in RLBUS_SERVICES:
+            assert {"nats", "nats-2", "nats-3"} <= set(merged[name]["depends_on"]), name
+
+
+def test_k8s_cluster_component_swaps_nats_for_the_charts_cluster(tmp_path: Path) -> None:
+    kubectl = optional_tool("kubectl")
+    base = tmp_path / "k8s"
+    shutil.copytree(K8S, base)
+    kust = (base / "kustomization.yaml").read_text()
+    assert "# components:\n#   - cluster" in kust, "kustomization.yaml no longer offers the cluster component"
+    (base / "kustomization.yaml").write_text(
+        kust.replace("# components:\n#   - cluster", "components:\n  - cluster")
+    )
+    built = tmp_path / "built.yaml"
+    built.write_text(check([kubectl, "kustomize", str(base)]))
+    docs = [d for d in yaml.safe_load_all(built.read_text()) if d]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert not kinds & {("StatefulSet", "nats"), ("Service", "nats"), ("ConfigMap", "nats-config")}
+    env = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rlbus-env")["data"]
+    assert env["RLBUS_BUS__REPLICAS"] == "3" and env["RLBUS_BUS__URL"] == "nats://nats:4222"
+    check([tool("kubernetes-validate"), "--strict", "--quiet", str(built)])
+    values = load_yaml(K8S / "cluster" / "nats-values.yaml")
+    assert values["config"]["cluster"] == {"enabled": True, "replicas": 3}
+    assert values["config"]["jetstream"]["enabled"] is True
+    assert values["container"]["env"]["NATS_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "rlbus-nats"
 
 
 def test_env_example_names_only_known_variables() -> None:

@@ -8,7 +8,9 @@
 #   4. `docker kill` of one rollout container mid-run: its work is redelivered, the run completes;
 #   5. the bus is closed (anonymous refused, the rollout key cannot publish ready groups, no root), and a
 #      service that refuses its config (exit 2) holds, unhealthy, with no restart;
-#   6. a model path that does not exist stops `up` at the pre-flight one-shot, no service started.
+#   6. a model path that does not exist stops `up` at the pre-flight one-shot, no service started;
+#   7. the 3-node NATS profile (compose/docker-compose.cluster.yml): the ready stream's leader is SIGKILLed
+#      mid-run and started again; the run completes, nothing lost or trained twice.
 #
 # It starts its own dockerd (Debian's docker.io) on its own socket; no registry is reachable here, so
 # the base image is made with debootstrap (the host's CA certificates and torch CPU wheel inside) and
@@ -49,6 +51,7 @@ export NATS_IMAGE
 export IMAGE_CPU=rlbus:ci-cpu
 COMPOSE=(docker-compose -f compose/docker-compose.yml -f compose/docker-compose.ports.yml -f tests/cluster/compose.ci.yml)
 SWAPPED=("${COMPOSE[@]}" -f tests/cluster/reward-swap.yml)
+EVERYTHING=("${SWAPPED[@]}" -f compose/docker-compose.cluster.yml)  # every service any step starts
 DOCKERD_PID=""
 T0=$SECONDS
 
@@ -88,10 +91,10 @@ teardown() {
     if (( rc != 0 )) && [[ -S $WORK/docker.sock ]]; then
         log "FAILED (rc $rc): container states and logs"
         "$DOCKER" ps -a --format '{{.Names}}\t{{.Status}}'
-        "${SWAPPED[@]}" logs --no-color --tail 25 2>/dev/null
+        "${EVERYTHING[@]}" logs --no-color --tail 25 2>/dev/null
     fi
     if [[ -n $DOCKERD_PID ]]; then
-        "${SWAPPED[@]}" down -v --remove-orphans --timeout 10 >/dev/null 2>&1
+        "${EVERYTHING[@]}" down -v --remove-orphans --timeout 10 >/dev/null 2>&1
         kill "$DOCKERD_PID" 2>/dev/null
         for _ in $(seq 300); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$DOCKERD_PID" 2>/dev/null
@@ -355,4 +358,46 @@ for svc in learner rollout reward ref; do
 done
 "${BAD_MODEL[@]}" down -v --timeout 10 > /dev/null 2>&1
 log "a missing model dir stops the stack at pre-flight (check exited 2 naming model.path; no service started)"
-log "PASSED: closed bus, up, scale to 3, reward swap, replica kill, refusal held, pre-flight; stack down"
+# ---- 7. a 3-node NATS cluster (compose/docker-compose.cluster.yml): the ready stream's leader SIGKILLed mid-run
+# and started again later; the run completes with nothing lost ---------------------------------------------
+CLUSTER=("${COMPOSE[@]}" -f compose/docker-compose.cluster.yml)
+CLUSTER_STEPS=${CI_CLUSTER_STEPS:-200}
+CI_STEPS=$CLUSTER_STEPS "${CLUSTER[@]}" up -d --no-build > "$WORK/cluster.log" 2>&1 || { cat "$WORK/cluster.log"; exit 1; }
+log "3-node NATS cluster up: $(states | grep -o 'nats[-0-9]*_[0-9]* Up[^;]*' | tr '\n' ';')"
+wait_step 5 300
+leader=$(python3 - "$NATS_MONITOR_PORT" "$RLBUS_RUN__ID" <<'PY'
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/jsz?streams=true", timeout=5))
+for account in info.get("account_details", []):
+    for stream in account.get("stream_detail", []):
+        if stream["name"] == f"RLBUS_{sys.argv[2]}_READY":
+            print({"n1": "nats", "n2": "nats-2", "n3": "nats-3"}[stream["cluster"]["leader"]])
+            sys.exit(0)
+sys.exit(1)
+PY
+) || { log "no leader found for the ready stream"; exit 1; }
+replicas=$(python3 - "$NATS_MONITOR_PORT" "$RLBUS_RUN__ID" <<'PY'
+import json, sys, urllib.request
+info = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/jsz?streams=true&config=true", timeout=5))
+print(min(s["config"]["num_replicas"] for a in info["account_details"] for s in a["stream_detail"]
+          if s["name"].startswith(f"RLBUS_{sys.argv[2]}_")))
+PY
+)
+(( replicas == 3 )) || { log "the run's streams have $replicas copies, not 3"; exit 1; }
+node=$(container "$leader")
+kill_step=$(step)
+"$DOCKER" kill "$node" >/dev/null
+log "SIGKILLed $leader (the ready stream's leader; every stream R3) at step $kill_step"
+wait_step $((kill_step + 20)) 120 || { log "the run did not go on with one NATS node of three dead"; exit 1; }
+log "20 steps trained with $leader down (step $(step))"
+"$DOCKER" start "$node" >/dev/null
+log "$leader started again at step $(step)"
+learner=$(container learner)
+rc=$(timeout 900 "$DOCKER" wait "$learner") || { log "learner did not finish on the cluster"; exit 1; }
+(( rc == 0 )) || { "$DOCKER" logs --tail 40 "$learner"; log "learner exited $rc on the cluster"; exit 1; }
+rm -rf "$WORK/run" && mkdir -p "$WORK/run"
+"$DOCKER" cp "$learner:/runs/$RLBUS_RUN__ID/." "$WORK/run/"
+"$REPO/.venv/bin/python" tests/cluster/check_run.py "$WORK/run" --steps "$CLUSTER_STEPS"
+"${CLUSTER[@]}" down -v --timeout 10 > /dev/null 2>&1
+log "cluster: $leader killed at step $kill_step and restarted, $CLUSTER_STEPS steps, nothing lost or trained twice"
+log "PASSED: closed bus, up, scale to 3, reward swap, replica kill, refusal held, pre-flight, NATS node kill; stack down"
