@@ -384,7 +384,7 @@ print(min(s["config"]["num_replicas"] for a in info["account_details"] for s in 
 PY
 )
 (( replicas == 3 )) || { log "the run's streams have $replicas copies, not 3"; exit 1; }
-node=$(container "$leader")
+node=$("${CLUSTER[@]}" ps -q "$leader" | head -1)
 kill_step=$(step)
 "$DOCKER" kill "$node" >/dev/null
 log "SIGKILLed $leader (the ready stream's leader; every stream R3) at step $kill_step"
