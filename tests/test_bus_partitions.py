@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -160,3 +161,39 @@ def test_rlbus_up_trains_on_four_partitions_under_roles(run_id: str, tmp_path: P
         assert "permissions violation" not in text, log
     server_log = (run_dir / "nats" / "nats-server.log").read_text(errors="replace")
     assert "Permissions Violation" not in server_log, server_log[-3000:]
+
+
+async def test_deliveries_waiting_in_the_fan_in_are_kept_alive_past_their_ack_wait(bus_config) -> None:
+    """A poll that lands after `fetch` returned keeps its deliveries for the next fetch. While replica A is
+    busy for longer than the ack wait, replica B keeps fetching: it must not be handed A's waiting work."""
+    cfg = _partitioned(bus_config)
+    async with Bus.connect(cfg, name="replica-a") as bus:
+        try:
+            ids = [f"p{i}" for i in range(40)]
+            for i, pid in enumerate(ids):
+                await bus.publish(Stage.PROMPTS, prompt_work(bus.run_id, i), msg_id=pid)
+            a = await bus.consumer(Stage.PROMPTS, "rollout", ack_wait_s=1.0)
+            [first] = await a.fetch(batch=1, timeout=5.0)
+            seen = [first.message.prompt_id]
+            await first.ack()
+            async with Bus.connect(cfg, name="replica-b", ensure=False) as other:
+                b = await other.consumer(Stage.PROMPTS, "rollout", ack_wait_s=1.0)
+                busy_until = time.monotonic() + 2.5  # A generates for 2.5 s, past the 1 s ack wait
+                while time.monotonic() < busy_until:
+                    for d in await b.fetch(batch=16, timeout=0.5):
+                        seen.append(d.message.prompt_id)
+                        await d.ack()
+                await b.close()
+            held = await a.fetch(batch=16, timeout=0.05)
+            assert held, "nothing waited in A's fan-in: the case under test did not happen"
+            for d in held:
+                seen.append(d.message.prompt_id)
+                await d.ack()
+            while got := await a.fetch(batch=16, timeout=1.0):  # what B handed back when it closed
+                for d in got:
+                    seen.append(d.message.prompt_id)
+                    await d.ack()
+            assert sorted(seen) == sorted(ids), "a prompt went to both replicas, or was lost"
+            await a.close()
+        finally:
+            await bus.delete_run()

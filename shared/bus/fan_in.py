@@ -3,8 +3,9 @@
 Each partition is a pull consumer of its own (the same durable name on each partition's stream, so replicas
 of a service still share the work). `fetch` keeps one long-poll open per partition and hands out whatever
 arrives first, so an idle partition never delays a busy one. A poll that returns after `fetch` did keeps its
-deliveries for the next `fetch` (at most `batch` per partition are held that way); the services call `fetch`
-in a loop, far more often than an ack wait.
+deliveries for the next `fetch` (at most `batch` per partition are held that way), and tells the server they
+are in progress every third of their ack wait until they are handed out, so a replica busy generating does
+not lose them to a redelivery.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class FanInConsumer:
         self._ready: list[Delivery] = []
         self._arrived = asyncio.Event()
         self._polls: dict[int, asyncio.Task[None]] = {}
+        self._keepalive: asyncio.Task[None] | None = None
 
     @property
     def dead_letters(self) -> int:
@@ -58,10 +60,29 @@ class FanInConsumer:
                 self._polls[k] = asyncio.ensure_future(self._poll(part, batch))
 
     async def _poll(self, part: Consumer, batch: int) -> None:
-        got = await part.fetch(batch=batch, timeout=POLL_S)
+        try:
+            got = await part.fetch(batch=batch, timeout=POLL_S)
+        except Exception as exc:  # noqa: BLE001 - a partition that fails now is polled again next fetch
+            log.warning(
+                "bus.fan_in_poll_failed", stage=self.stage.value, error=f"{type(exc).__name__}: {exc}"
+            )
+            return
         if got:
             self._ready.extend(got)
             self._arrived.set()
+            if self._keepalive is None or self._keepalive.done():
+                self._keepalive = asyncio.ensure_future(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        """While deliveries wait to be handed out, restart their ack wait clocks every third of it."""
+        every = min(p.ack_wait_s for p in self.parts) / 3
+        while self._ready:
+            await asyncio.sleep(every)
+            for delivery in list(self._ready):
+                try:
+                    await delivery.in_progress()
+                except Exception as exc:  # noqa: BLE001 - the server away: redelivery is the fallback
+                    log.debug("bus.fan_in_keepalive_failed", stage=self.stage.value, error=str(exc))
 
     async def pending(self) -> int:
         """Items waiting in every partition plus items handed out but not yet acked."""
@@ -70,6 +91,8 @@ class FanInConsumer:
     async def close(self) -> None:
         """Stop polling; deliveries fetched but not handed out go back to their queues at once."""
         polls, self._polls = list(self._polls.values()), {}
+        if self._keepalive is not None:
+            polls.append(self._keepalive)
         for poll in polls:
             poll.cancel()
         await asyncio.gather(*polls, return_exceptions=True)
