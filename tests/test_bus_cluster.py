@@ -21,8 +21,11 @@ pytestmark = pytest.mark.faults
 
 STEPS, KILL_AT, RESTART_AT = 60, 12, 30
 # A dead server's streams wait for nats-server to elect new leaders: its raft election timeout is 4-9 s,
-# randomized; no server option we found shortens it. Measured stalls on the 2-core box: 6.0-11.3 s (issue 30 asks <= 10 s).
-MAX_STALL_S = 15.0
+# randomized, compiled in (server/raft.go). rlbus's JetStream requests wait 2 s and are retried, so a step
+# comes soon after the election. Measured on the 2-core box (2026-12-05, 12 runs): 4.2-9.1 s (issue 30 asks
+# <= 10 s; 5.8-11.3 s while requests waited 5 s). The election's worst case puts ~10.5 s within reach, so
+# the guard is 12 s.
+MAX_STALL_S = 12.0
 _spec = importlib.util.spec_from_file_location(
     "check_run", Path(__file__).parent / "cluster" / "check_run.py"
 )

@@ -14,6 +14,10 @@ DUPLICATE_WINDOW_S = 120.0
 DLQ_MAX_MSGS = 100_000
 DLQ_MAX_AGE_S = 7 * 24 * 3600.0
 MAX_REASON_CHARS = 1000
+JS_API_TIMEOUT_S = 2.0
+"""A JetStream API request's wait (stream and consumer info, consumer creation, direct gets). Short, and retried
+(rlbus.bus.retry): on a cluster a request to a stream whose leader just died goes unanswered until NATS elects
+a new one (4-9 s), and a 5 s wait (nats-py's default) could add most of another 5 s after the election."""
 ACK_TIMEOUT_S = 2.0
 """Wait for an ack's answer; an unanswered ack is then checked against the stream, so this can be short."""
 ACK_AFTER_RECONNECT_S = 0.25

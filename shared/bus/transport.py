@@ -41,6 +41,7 @@ from rlbus.bus.headers import (
     CONSUMER_HEADER,
     DELIVERED_HEADER,
     HEADER_HEADROOM,
+    JS_API_TIMEOUT_S,
     KIND_HEADER,
     MSG_ID_HEADER,
     ORIGINAL_MSG_ID_HEADER,
@@ -91,7 +92,7 @@ class Bus:
 
     def __init__(self, nc: Client, run_id: str, cfg: BusConfig | None = None) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
+        self.js = nc.jetstream(timeout=JS_API_TIMEOUT_S)
         self.cfg = cfg or BusConfig()
         self.names = RunNames(run_id, self.cfg.partitions)
         self._obs: ObjectStore | None = None
