@@ -97,6 +97,16 @@ SUFFIX_OVERRIDES = {
 }
 
 
+def lacks(name: str, device: str) -> str | None:
+    """What a config needs that this machine has not (None: it can run here)."""
+    if "+liger" in name:
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel (the gpu extra: pip install -e '.[gpu]')"
+        if device != "cuda":
+            return "a CUDA device (Liger's kernels are Triton kernels)"
+    return None
+
+
 def bootstrap_rlbus(force: bool = False) -> str:
     """Make ``import rlbus`` work: the installed package if there is one, else the checkout's folders."""
     if not force:
@@ -443,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(ALL_CONFIGS))
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {ALL_CONFIGS}")
+    missing = {c: why for c in configs if (why := lacks(c, args.device))}
+    if missing and args.configs != ",".join(DEFAULT_CONFIGS):
+        p.error("; ".join(f"{c} needs {why}" for c, why in missing.items()))
+    for c, why in missing.items():  # the default list runs what this machine can
+        print(f"skipping {c}: it needs {why}", flush=True)
+    configs = [c for c in configs if c not in missing]
     # under torchrun every rank joins, rank 0 measures and the others follow each rlbus config (the plain
     # loops are single-process: skipped); a process that only starts one child per config stays off the GPU
     in_process = args.in_process or len(configs) == 1

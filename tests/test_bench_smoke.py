@@ -1,0 +1,52 @@
+"""The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
+configs (those needing a GPU extra are skipped with the reason, not a crash) and `bench/bus.py` on a short
+setting with 1 and 2 partitions side by side. Figures are not checked here; the benches print them."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_learner_bench_runs_its_default_configs_on_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/learner.py", "--tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=580,
+        cwd=ROOT,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    rows = {line.split()[0] for line in done.stdout.splitlines() if re.match(r"^\S+\s+sdpa\s", line)}
+    assert {"plain-bf16", "rlbus", "rlbus+pack", "rlbus/var"} <= rows, done.stdout
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert "skipping rlbus+liger: it needs liger-kernel" in done.stdout
+    assert "rlbus+liger" not in rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/bus.py", "--partitions", "1,2", "--rates", "40", "--seconds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    side_by_side = done.stdout.split("# side by side", 1)[1]
+    assert re.search(r"partitions 1, .* achieved +[\d.]+ \([\d.]+\)", side_by_side), side_by_side
+    assert re.search(r"partitions 2, .* achieved +[\d.]+ \([\d.]+\)", side_by_side), side_by_side
+    for figure in ("replica -> ready stored", "ready stored -> learner", "CPU ms per group", "H200 step"):
+        assert side_by_side.count(figure) == 2, figure
