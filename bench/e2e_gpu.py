@@ -98,12 +98,23 @@ def summarize(
     start = step_times[warmup - 1] if warmup > 0 else measured[0]
     steps = len(measured) if warmup > 0 else len(measured) - 1
     s_per_step = (measured[-1] - start) / steps
+    durations = [b - a for a, b in zip([start, *measured], measured, strict=False)][-steps:]
     return {
         "s_per_step": s_per_step,
         "tokens_per_s": tokens_per_step / s_per_step,
         "gpu_util": sampler.mean(start, measured[-1]),
         "handoff_s": statistics.median(handoff) if handoff else None,
+        "p50_step_s": percentile(durations, 50),
+        "p99_step_s": percentile(durations, 99),
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile by linear interpolation (numpy's default), without numpy in the TRL child."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 # ----------------------------------------------------------------------------------------------- rlbus
@@ -134,6 +145,7 @@ def run_rlbus(
         f"trainer.device={args.device}",
         f"rollout.device={args.device}",
         "trainer.save_freq=-1",
+        f"model.enable_gradient_checkpointing={'true' if args.gradient_checkpointing else 'false'}",
         *args.rlbus_override,
     ]
     if model_dir is not None:
@@ -211,6 +223,7 @@ def trl_child(spec: dict) -> None:
         use_cpu=spec["device"] == "cpu",
         generation_kwargs=gen_kwargs,
         cache_implementation="static" if spec["static"] else None,
+        gradient_checkpointing=spec["gradient_checkpointing"],  # as rlbus: off unless asked for everyone
         seed=0,
         dataloader_num_workers=0,
     )
@@ -253,6 +266,7 @@ def run_trl(
         "temperature": args.temperature,
         "dtype": args.dtype,
         "device": args.device,
+        "gradient_checkpointing": args.gradient_checkpointing,
     }
     out.mkdir(parents=True, exist_ok=True)
     print(f"TRL GRPOTrainer ({'static cache, compiled decode' if static else 'defaults'})", flush=True)
@@ -306,12 +320,14 @@ def table(results: dict[str, dict], base: str | None) -> str:
         return format("-", spec[:3]) if v is None else format(v, spec)
 
     lines = [
-        f"{'system':<22} {'s/step':>8} {'resp tok/s':>11} {'GPU util %':>10} {'handoff s':>10} {'vs ' + (base or '-'):>14}"
+        f"{'system':<22} {'s/step':>8} {'p50 s':>7} {'p99 s':>7} {'resp tok/s':>11} {'GPU util %':>10} "
+        f"{'handoff s':>10} {'vs ' + (base or '-'):>14}"
     ]
     for name, r in results.items():
         ratio = results[base]["s_per_step"] / r["s_per_step"] if base in results else None
         lines.append(
-            f"{name:<22} {r['s_per_step']:>8.3f} {r['tokens_per_s']:>11.0f} {fmt(r['gpu_util'], '>10.0f')} "
+            f"{name:<22} {r['s_per_step']:>8.3f} {r['p50_step_s']:>7.3f} {r['p99_step_s']:>7.3f} "
+            f"{r['tokens_per_s']:>11.0f} {fmt(r['gpu_util'], '>10.0f')} "
             f"{fmt(r['handoff_s'], '>10.4f')} {fmt(ratio, '>13.2f')}x"
         )
     return "\n".join(lines)
@@ -331,12 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=8, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="steps not measured (compilation, first push)")
-    p.add_argument("--async-levels", default="0,1,2")
+    p.add_argument(
+        "--async-levels",
+        default="0,1",
+        help="0 is the equal-algorithm row (on-policy, as TRL); 1 trains one behind",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="on for every system (default: off for all of them)",
+    )
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--no-trl", action="store_true")
     p.add_argument(
-        "--rounds", type=int, default=1, help="run every system this many times, in turn (medians)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="run every system this many times, in turn (medians; default 3 on cuda, 1 on cpu)",
     )
     p.add_argument("--timeout", type=float, default=900, help="per system (first compile included)")
     p.add_argument("--rlbus-override", action="append", default=[], help="extra dotted override for rlbus")
@@ -346,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         trl_child(json.loads(args.trl_child))
         return 0
     gpu = args.device == "cuda"
+    args.rounds = args.rounds or (3 if gpu else 1)
     args.prompts = args.prompts or (64 if gpu else 16)
     args.max_tokens = args.max_tokens or (128 if gpu else 8)
     args.micro_batch = args.micro_batch or (64 if gpu else args.prompts * args.n)
@@ -387,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items():
             if name.startswith("rlbus"):
                 print(f"{name}: {ref / r['s_per_step']:.2f}x TRL + static cache")
+    if "rlbus async_level=0" in results:
+        print(
+            "equal-algorithm row: rlbus async_level=0 (on-policy, as TRL is); async_level=1 trains one version behind"
+        )
+    gc = "on" if args.gradient_checkpointing else "off"
+    print(f"gradient checkpointing {gc} for every system; p99/p50 step time after warm-up:")
+    for name, r in results.items():
+        print(f"  {name}: {r['p99_step_s'] / r['p50_step_s']:.2f}")
     return 0
 
 
