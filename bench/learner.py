@@ -57,6 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = [
     "plain-bf16",
+    "plain-bf16+compile",
     "rlbus",
     "rlbus+autocast",
     "rlbus+eager",
@@ -357,7 +358,8 @@ def time_rlbus(trainer: Any, batch: Any, args: argparse.Namespace, packed: bool)
 
 def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
     """``plain``: fp32 weights under bf16 autocast, loss on the response tokens. ``plain-bf16``: the loop a
-    user writes by hand: the model held in bf16, fused AdamW, the model's own loss over the whole sequence."""
+    user writes by hand: the model held in bf16, fused AdamW, the model's own loss over the whole sequence.
+    ``plain-bf16+compile``: that loop with ``torch.compile`` on the model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -368,6 +370,10 @@ def run_plain(model_dir: Path, batch: Any, args: argparse.Namespace, name: str) 
     model.to(dev).train()
     if args.plain_gc:
         model.gradient_checkpointing_enable()
+    if (
+        "+compile" in name
+    ):  # the same loop with torch.compile on the whole model (dynamic shapes as they come)
+        model = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=dev.type == "cuda")
     micro = args.micro
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16" and not bf16)
@@ -498,6 +504,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
+_PEAK: dict[str, float] = {}
+
+
+def measured_peak_tflops(args: argparse.Namespace) -> float:
+    """The matmul throughput this device reaches in the bench's dtype (a square GEMM timed after a warm-up):
+    MFU against it says how close a step comes to what the chip does in practice, beside the nominal peak."""
+    key = f"{args.device}:{args.dtype}"
+    if key not in _PEAK:
+        import torch
+
+        dev = torch.device(args.device)
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        n = 8192 if dev.type == "cuda" else 1024
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        reps, t0 = 20 if dev.type == "cuda" else 5, time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        _PEAK[key] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+    return _PEAK[key]
+
+
 def measure_config(
     name: str, model_dir: Path, args: argparse.Namespace, config: Any, fixed: list[int], var: list[int]
 ) -> dict[str, Any]:
@@ -536,6 +569,8 @@ def measure_config(
         step_s=step_s,
         tokens_per_s=tokens / step_s,
         mfu=perf.mfu(tokens / step_s, flops_tok, args.peak_tflops * 1e12),
+        mfu_measured=perf.mfu(tokens / step_s, flops_tok, measured_peak_tflops(args) * 1e12),
+        peak_tflops_measured=measured_peak_tflops(args),
         tflops=tokens / step_s * flops_tok / 1e12,
         wall_s=time.perf_counter() - t0,
         peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
@@ -662,21 +697,34 @@ def print_table(results: dict[str, Any], args: argparse.Namespace, config: Any) 
         f"{config.num_hidden_layers} layers x hidden {config.hidden_size}, vocab {config.vocab_size}"
     )
     header = (
-        f"{'config':16s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} "
-        f"{'TFLOP/s':>8s} {'MFU':>6s} {'mem GB':>7s} {'vs bf16':>8s}"
+        f"{'config':20s} {'attn':13s} {'tokens':>7s} {'pad%':>5s} {'mb':>3s} {'step s':>8s} {'tok/s':>9s} "
+        f"{'TFLOP/s':>8s} {'MFU':>6s} {'MFUm':>6s} {'mem GB':>7s} {'vs bf16':>8s} {'vs comp':>8s}"
     )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:16s} ERROR {r['error']}")
+            print(f"{name:20s} ERROR {r['error']}")
             continue
         base = results.get("plain-bf16/var" if name.endswith("/var") else "plain-bf16", {})
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else float("nan")
+        compiled = results.get(
+            "plain-bf16+compile/var" if name.endswith("/var") else "plain-bf16+compile", {}
+        )
+        vs_compiled = (
+            r["tokens_per_s"] / compiled["tokens_per_s"] if compiled.get("tokens_per_s") else float("nan")
+        )
         pad = 1 - r["tokens"] / r["padded_tokens"]
         print(
-            f"{name:16s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
-            f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r['peak_mem_gb']:7.1f} {ratio:8.2f}"
+            f"{name:20s} {r['attn']:13s} {r['tokens']:7d} {pad:5.0%} {r['micro_batches']:3d} {r['step_s']:8.3f} "
+            f"{r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['mfu']:6.1%} {r.get('mfu_measured', float('nan')):6.1%} "
+            f"{r['peak_mem_gb']:7.1f} {ratio:8.2f} {vs_compiled:8.2f}"
+        )
+    measured = [r["peak_tflops_measured"] for r in results.values() if "peak_tflops_measured" in r]
+    if measured:
+        print(
+            f"MFU against the nominal peak (--peak-tflops {args.peak_tflops:g}); MFUm against the GEMM peak "
+            f"measured on this device: {statistics.median(measured):.1f} TFLOP/s"
         )
     for name, r in results.items():
         if len(r.get("rounds_tokens_per_s", [])) > 1:
