@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from rlbus.bus.fan_in import WorkConsumer
 from rlbus.config import RlbusConfig
 from rlbus.learner.admission import ReadyLimits, rejection
 from rlbus.learner.dispatch import REFUSED, Dispatcher, Ledger
@@ -23,6 +24,9 @@ from rlbus.service import ServiceContext
 WAIT_LOG_EVERY_S = 10.0
 KEEPALIVE_EVERY_S = 10.0
 PUSH_RETRY_POLL_S = 0.25  # how soon a failed weight push is tried again while no data arrives
+RECLAIM_AFTER_S = (
+    5.0  # at the run's end, this long with nothing arriving before the ready consumer is renewed
+)
 
 
 class LearnerStalled(RuntimeError):
@@ -245,6 +249,37 @@ class Gatherer:
                 raise LearnerStalled(self._stall_reason(step, len(batch), need))
         await self._dispatched()
         return batch
+
+    async def drain(
+        self, timeout_s: float, reopen: Callable[[WorkConsumer], Awaitable[WorkConsumer]]
+    ) -> None:
+        """After the last step: settle what is still in flight as 'run_finished', for at most `timeout_s`.
+        Once nothing has come for RECLAIM_AFTER_S, the consumer is made afresh by `reopen` (once): a delivery
+        a NATS crash or a lost connection dropped on its way here stays pending on the server until the
+        learner's 600 s ack wait ends; a new consumer is handed it at once."""
+        ledger = self.learner.ledger
+        deadline = time.monotonic() + timeout_s
+        held, self.overflow = self.overflow, []  # set aside while the final validation ran
+        await self._settle_after_the_end(held)
+        quiet_since, reopened = time.monotonic(), False
+        while ledger.in_flight > 0 and time.monotonic() < deadline:
+            got = await self.consumer.fetch(batch=64, timeout=1.0)
+            await self._settle_after_the_end(got)
+            if got:
+                quiet_since = time.monotonic()
+            elif not reopened and time.monotonic() - quiet_since > RECLAIM_AFTER_S:
+                reopened = True
+                self.learner.ctx.log.info("nothing arrives at the end: the ready consumer made afresh")
+                self.consumer = await reopen(self.consumer)
+
+    async def _settle_after_the_end(self, deliveries: list) -> None:
+        ledger = self.learner.ledger
+        for d in deliveries:
+            pid = d.message.scored.trajectories.work.prompt_id
+            if pid in ledger.dispatched and not ledger.is_settled(pid):
+                await self.learner.settle(d, "run_finished")
+            else:
+                await d.ack()
 
     async def _dispatch(self, version: int, step: int, have: int) -> None:
         """Top up the work in flight beside the fetch, not before it: the publishes' round trips overlap

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlbus.bus.fan_in import WorkConsumer
 from rlbus.bus.trajectory_log import TrajectoryLog
 from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
@@ -137,16 +138,7 @@ class Learner:
             cfg.trainer.project_name,
             cfg.trainer.experiment_name,
         )
-        from rlbus.bus import Stage
-
-        consumer = await self.ctx.bus.consumer(
-            Stage.READY,
-            durable=LEARNER_DURABLE,
-            expected=ReadyGroup,
-            ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
-            max_deliver=self.cfg.bus.max_deliver,
-        )
-        self.gatherer = Gatherer(self, consumer)
+        self.gatherer = Gatherer(self, await self._ready_consumer())
         if cfg.bus.trajectory_log:
             self.trajectory_log = TrajectoryLog(
                 self.ctx.bus, cfg.bus.trajectory_log_max_age_h, cfg.bus.trajectory_log_max_gb
@@ -441,13 +433,29 @@ class Learner:
         self.pusher.close()
         return 0
 
+    async def _ready_consumer(self) -> WorkConsumer:
+        from rlbus.bus import Stage
+
+        return await self.ctx.bus.consumer(
+            Stage.READY,
+            durable=LEARNER_DURABLE,
+            expected=ReadyGroup,
+            ack_wait_s=max(self.cfg.bus.ack_wait_s, 600.0),
+            max_deliver=self.cfg.bus.max_deliver,
+        )
+
+    async def _reopened_ready_consumer(self, old: WorkConsumer) -> WorkConsumer:
+        """The ready stage's consumer made afresh: what the old one was handed and never settled (deliveries
+        a lost connection dropped) goes to the new one at once, not after the 600 s ack wait."""
+        from rlbus.bus import Stage
+
+        await old.close()
+        await self.ctx.bus.delete_consumer(Stage.READY, LEARNER_DURABLE)
+        return await self._ready_consumer()
+
     async def drain(self, timeout_s: float = 60.0) -> None:
         """After the last step: collect what is still in flight and record it as dropped ('run_finished')."""
-        deadline = time.monotonic() + timeout_s
-        held, self.gatherer.overflow = self.gatherer.overflow, []  # set aside while the final validation ran
-        await self._settle_after_the_end(held)
-        while self.ledger.in_flight > 0 and time.monotonic() < deadline:
-            await self._settle_after_the_end(await self.gatherer.consumer.fetch(batch=64, timeout=1.0))
+        await self.gatherer.drain(timeout_s, self._reopened_ready_consumer)
         for pid in self.ledger.dispatched:
             if not self.ledger.is_settled(pid):
                 self.ledger.dropped[pid] = "run_finished_in_flight"
@@ -458,14 +466,6 @@ class Learner:
             dispatched=len(self.ledger.dispatched),
             duplicates=self.ledger.duplicates,
         )
-
-    async def _settle_after_the_end(self, deliveries: list) -> None:
-        for d in deliveries:
-            pid = d.message.scored.trajectories.work.prompt_id
-            if pid in self.ledger.dispatched and not self.ledger.is_settled(pid):
-                await self.settle(d, "run_finished")
-            else:
-                await d.ack()
 
 
 async def learner_loop(ctx: ServiceContext) -> int:

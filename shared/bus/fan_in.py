@@ -104,3 +104,7 @@ class FanInConsumer:
                 log.debug("bus.fan_in_return_failed", stage=self.stage.value, error=str(exc))
         for part in self.parts:
             await part.close()
+
+
+WorkConsumer = Consumer | FanInConsumer
+"""What `Bus.consumer` hands out: one partition's consumer, or the fan-in over several."""
