@@ -38,14 +38,15 @@ def prompt_work(run_id: str, i: int = 0) -> PromptWork:
     )
 
 
-def up_command(tmp_path: Path, nats_url: str, run_id: str, *overrides: str) -> list[str]:
-    """`rlbus up` on the test's NATS and run dir; later overrides win over the defaults given here."""
+def up_command(tmp_path: Path, nats_url: str | None, run_id: str, *overrides: str) -> list[str]:
+    """`rlbus up` on the test's NATS (None: a server of the run's own, one user per process) and run dir;
+    later overrides win over the defaults given here."""
     return [
         sys.executable,
         "-m",
         "rlbus.cli",
         "up",
-        f"bus.url={nats_url}",
+        *([f"bus.url={nats_url}"] if nats_url else []),
         f"run.id={run_id}",
         f"run.dir={tmp_path / 'runs'}",
         "trainer.logger=[jsonl]",

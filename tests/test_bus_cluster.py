@@ -72,7 +72,9 @@ def _run_with_a_server_down(tmp_path: Path, run_id: str, victim: str) -> tuple[l
                     killed = name
                 if killed and len(seen) >= RESTART_AT and not cluster.servers[int(killed[-1])].running:
                     cluster.servers[int(killed[-1])].start()
-                time.sleep(0.2)
+                time.sleep(
+                    0.2
+                )  # the observer's sampling interval (steps take ~0.2 s), not a wait for the run
             assert run.wait_learner(60) == 0, run.logs("learner")
             return seen, run.ledger(), killed
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e_utils import prompt_work
+from e2e_utils import prompt_work, up_command
 
 from rlbus.bus import Bus, LocalNatsServer, Stage
 from rlbus.bus.roles import authorization_block, make_users
@@ -132,21 +131,17 @@ def test_rlbus_up_trains_on_four_partitions_under_roles(run_id: str, tmp_path: P
     steps, batch = 6, 8
     run_dir = tmp_path / "runs" / run_id
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
-            "trainer.logger=[jsonl]",
+        up_command(
+            tmp_path,
+            None,
+            run_id,
             f"trainer.total_training_steps={steps}",
             f"data.train_batch_size={batch}",
             "trainer.val_before_train=false",
             "trainer.test_freq=0",
             "rollout.replicas=2",
             f"bus.partitions={PARTITIONS}",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=280,

@@ -6,11 +6,10 @@ a whole run on such a server, its status readable with the run's reader."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from e2e_utils import prompt_work
+from e2e_utils import prompt_work, up_command
 
 from rlbus.bus import Bus, BusConnectError, LocalNatsServer, Stage
 from rlbus.bus.roles import authorization_block, make_users, read_reader
@@ -95,19 +94,15 @@ def test_rlbus_up_runs_on_its_own_server_with_a_user_per_process(run_id: str, tm
     to the end, every service connected as its own user, and `rlbus status` reads with the reader."""
     run_dir = tmp_path / "runs" / run_id
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
-            "trainer.logger=[jsonl]",
+        up_command(
+            tmp_path,
+            None,
+            run_id,
             "trainer.total_training_steps=3",
             "data.train_batch_size=4",
             "trainer.val_before_train=false",
             "trainer.test_freq=0",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=200,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from e2e_utils import running_services, wait_until
+from e2e_utils import running_services, up_command, wait_until
 
 from rlbus.learner.dispatch import Ledger
 from rlbus.messages import PromptWork, ReadyGroup, Sample, SamplingParams, ScoredGroup, TrajectoryGroup
@@ -64,21 +64,17 @@ def test_a_run_with_a_learner_restart_replays_every_trained_sample_once(run_id: 
     steps, batch, n = 8, 8, 4
     run_dir = tmp_path / "runs" / run_id
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlbus.cli",
-            "up",
-            f"run.id={run_id}",
-            f"run.dir={tmp_path / 'runs'}",
-            "trainer.logger=[jsonl]",
+        up_command(
+            tmp_path,
+            None,
+            run_id,
             f"trainer.total_training_steps={steps}",
             f"data.train_batch_size={batch}",
             f"rollout.n={n}",
             "trainer.val_before_train=false",
             "trainer.test_freq=0",
             "bus.trajectory_log=true",
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
