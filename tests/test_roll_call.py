@@ -35,7 +35,9 @@ async def test_just_after_a_nats_restart_a_replica_still_resubscribing_is_waited
     cfg = RlbusConfig(run={"id": "roll-call", "dir": tmp_path / "runs"}, bus={"url": private_nats.url})
     async with Bus.connect(cfg, name="learner", ensure=False) as learner:
         private_nats.restart()
+        back_by = time.monotonic() + 30
         while disconnects_of(learner.nc).since_reconnect() == float("inf"):
+            assert time.monotonic() < back_by, "the client did not reconnect to the restarted server in 30 s"
             await asyncio.sleep(0.05)  # polling for the reconnect the restart causes
         async with Bus.connect(cfg, name="replica-r1", ensure=False) as replica:
             call = asyncio.ensure_future(roll_call(learner.nc, learner.names, ["r1"], WINDOW_S, log))

@@ -103,7 +103,7 @@ class Delivery:
             fate = await self._consumer.bus._ack_fate(self.raw)
             if fate == "gone":
                 return True  # the ack got through; only its answer was lost
-            if fate == "pending":
+            if fate == "pending" and wait_s >= timeout:  # a short first wait after a reconnect is no strike
                 ignored += 1  # the server answers, still holds the delivery, and did not answer our ack
             if fate == "forgotten" or ignored >= ACK_IGNORED_TRIES or time.monotonic() + delay >= deadline:
                 log.warning(

@@ -17,7 +17,7 @@ from nats.js import api as js_api
 from nats.js.errors import NotFoundError
 
 from rlbus.bus.connect import log
-from rlbus.bus.headers import DUPLICATE_WINDOW_S, MSG_ID_HEADER
+from rlbus.bus.headers import DUPLICATE_WINDOW_S, MSG_ID_HEADER, _storage
 from rlbus.bus.retry import with_retry
 from rlbus.bus.streams import add_or_update
 from rlbus.bus.transport import Bus
@@ -43,9 +43,7 @@ class TrajectoryLog:
                 name=names.trained_stream,
                 subjects=[names.trained_subject],
                 retention=js_api.RetentionPolicy.LIMITS,
-                storage=js_api.StorageType.MEMORY
-                if self.bus.cfg.storage == "memory"
-                else js_api.StorageType.FILE,
+                storage=_storage(self.bus.cfg.storage),
                 max_age=self.max_age_s,
                 max_bytes=self.max_bytes,
                 max_msg_size=-1,

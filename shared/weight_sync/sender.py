@@ -155,8 +155,7 @@ class WeightSender:
         WeightSyncError and the sender stays closed and reusable for another open().
         """
         hosted = self._hosted[1] if self._hosted is not None and self._hosted[0] == port else None
-        self._hosted = None  # the group owns it from here
-        self.close()
+        self.close()  # the old group; `hosted` is the new one's
         self._group = WeightGroup.create(
             self.host,
             port,
