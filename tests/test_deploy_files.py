@@ -595,6 +595,8 @@ def test_k8s_learner_runs_torchrun_across_pods() -> None:
     assert any(p["containerPort"] == int(port) for p in c["ports"])
     gpus = c["resources"]["limits"]["nvidia.com/gpu"]
     assert int(env["GPUS_PER_NODE"]["value"]) == gpus == c["resources"]["requests"]["nvidia.com/gpu"]
+    # a restarted pod's rank must not read the dead round's addresses from the agent's shared store
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
 
 
 def test_k8s_hpa_scales_rollout() -> None:
@@ -627,7 +629,8 @@ printf '%s\\n' "$(python -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "
 # The learner (foreground) waits for the background services to have started, as a real one would.
 STUB_TORCHRUN = (
     STUB_RECORD
-    + """for _ in $(seq 100); do
+    + """printf '["torchrun-env", "%s"]\\n' "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" >> "$STUB_LOG"
+for _ in $(seq 100); do
     (( $(grep -c '^\\["rlbus"' "$STUB_LOG") >= 2 )) && exit 0
     sleep 0.1
 done
@@ -692,6 +695,8 @@ def test_sbatch_starts_every_service_with_its_resources(slurm_dry_run: list[list
     assert "--gpus-per-task=2" in learner_srun
     for argv in [*rlbus_calls.values(), torchrun]:
         assert argv[-1] == "trainer.total_training_steps=3"
+    # a restarted rank must not read the dead attempt's addresses from the agent's shared store
+    assert ["torchrun-env", "1"] in calls
 
 
 def test_sbatch_arguments_are_valid_config(slurm_dry_run: list[list[str]]) -> None:

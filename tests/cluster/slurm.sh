@@ -195,6 +195,10 @@ run_job() {  # $1 = learner nodes, or "faults" (2 learner nodes; the reward step
             || { log "job $jobid: the reward step was not restarted"; tail -n 20 "$dir/reward.log"; return 1; }
         grep -q '"resumed from checkpoint"\|resumed from checkpoint' "$dir/learner.log" \
             || { log "job $jobid: the learner did not resume after its rank died"; return 1; }
+        # the first restart resumes: no restarted rank reads the dead attempt's addresses (a failed init)
+        if grep -n 'connectFullMesh failed\|init_process_group' "$dir/learner.log"; then
+            log "job $jobid: a restarted learner rank failed its process-group init"; return 1
+        fi
     elif grep -n 'CANCELLED\|unexpected EOF\|Traceback' "$WORK/job-$jobid.out" "$dir"/*.log; then
         log "job $jobid: the logs do not end clean"; cat "$WORK/job-$jobid.out"; return 1
     fi
