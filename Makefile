@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl bench-claim-check bench-bus tiny-model clean
+.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl bench-claim-check bench-bus bench-learning tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -98,6 +98,11 @@ bench-claim-check:
 # Groups/s the bus carries with no model: simulated replicas, real reward processes, the learner's consumer.
 bench-bus:
 	$(PY) bench/bus.py
+
+# Held-out accuracy against wall-clock seconds, rlbus beside TRL, on a model pretrained on the spot (the H200;
+# needs `pip install -e ".[bench]"`); BENCH_LEARNING_ARGS="--tiny --no-trl" is the CPU smoke.
+bench-learning:
+	$(PY) bench/learning.py $(BENCH_LEARNING_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache build *.egg-info

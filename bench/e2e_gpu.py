@@ -229,10 +229,12 @@ def trl_child(spec: dict) -> None:
     )
     dataset = Dataset.from_dict({"prompt": prompts_text(spec["prompts"] * (total + 1))})
     dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from rlbus.modeling import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    tokenizer = load_tokenizer(spec["model"])  # as rlbus loads it (AutoTokenizer picks Qwen2's class here)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward_first_char_is_digit,

@@ -169,7 +169,8 @@ def encode_example(tokenizer, example: Example) -> tuple[list[int], list[int]]:
     return prompt + answer, [-100] * len(prompt) + answer
 
 
-def _collate(tokenizer, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+def collate_sft(tokenizer, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+    """A right-padded SFT batch of `examples` (`encode_example`: loss on the answer and its end token)."""
     rows = [encode_example(tokenizer, ex) for ex in examples]
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
@@ -321,7 +322,7 @@ def _warm_start(
     result = SftResult()
     model.train()
     for step in range(1, sft_steps + 1):
-        batch = _collate(tokenizer, task.make_examples("train", batch_size, seed=seed * 1_000_003 + step))
+        batch = collate_sft(tokenizer, task.make_examples("train", batch_size, seed=seed * 1_000_003 + step))
         loss = model(**batch).loss
         optim.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,10 +1,13 @@
 """The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
-configs (those needing a GPU extra are skipped with the reason, not a crash) and `bench/bus.py` on a short
-setting with 1 and 2 partitions side by side. Figures are not checked here; the benches print them."""
+configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/bus.py` on a short
+setting with 1 and 2 partitions side by side, and `bench/learning.py --tiny` (a model pretrained on the spot
+whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
+print them."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -50,3 +53,33 @@ def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
     assert re.search(r"partitions 2, .* achieved +[\d.]+ \([\d.]+\)", side_by_side), side_by_side
     for figure in ("replica -> ready stored", "ready stored -> learner", "CPU ms per group", "H200 step"):
         assert side_by_side.count(figure) == 2, figure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_learning_bench_pretrains_a_model_that_rlbus_then_improves(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/learning.py",
+            "--tiny",
+            "--no-trl",
+            "--async-levels",
+            "1",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((tmp_path / "learning.json").read_text())
+    assert summary["pretrained"]["val_greedy"] >= 0.4, summary["pretrained"]  # pretraining reached its stop
+    curve = summary["curves"]["rlbus async_level=1"]
+    start = curve["points"][0][1]
+    # rlbus's first validation is the pretrained model's (its engine pads a batch; the pretraining did not)
+    assert abs(start - summary["pretrained"]["val_greedy"]) <= 0.05, (start, summary["pretrained"])
+    assert len(curve["points"]) >= 4 and curve["gain"] >= 0.1, curve  # held-out accuracy rose under GRPO
+    assert (tmp_path / "learning.png").stat().st_size > 10_000

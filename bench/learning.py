@@ -1,0 +1,425 @@
+"""Learning benchmark: held-out accuracy against wall-clock seconds, rlbus (async_level 0 and 1) beside TRL.
+
+No weights can be downloaded here, so the model is made on the spot, seeded:
+1. a Qwen2-shaped model (about 75M parameters on the GPU; `--tiny`: 0.1M) on rlbus's character tokenizer
+   with a chat template, pretrained from scratch on long addition with its column steps written out
+   (`worked_addition.py`), until greedy held-out accuracy reaches `--start-accuracy` (or `--pretrain-s`
+   runs out), so that RL has room to improve it;
+2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
+   the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
+   function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
+   checkpointing off, TRL with its static cache and compiled decode;
+3. held-out greedy accuracy on the same val set over time: rlbus's own validation (`trainer.test_freq`,
+   counted in its clock), TRL's by a callback (its evaluation time is taken off TRL's clock).
+
+It prints both curves, the time each system took to reach TRL's final accuracy and their ratio, the
+accuracy of each at TRL's last evaluation, and writes `learning.png` and `learning.json`.
+
+    python bench/learning.py                       # on the H200: pretrain, then 3 systems x --budget-s
+    python bench/learning.py --tiny --no-trl        # CPU smoke (make test-slow): rlbus only, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from worked_addition import CHAT_TEMPLATE, WorkedAddition, verl_rows
+
+BENCH = Path(__file__).resolve().parent
+REWARD_FILE = BENCH / "worked_addition.py"
+
+
+@dataclass
+class Curve:
+    """Held-out accuracy at seconds since the system was launched."""
+
+    name: str
+    points: list[tuple[float, float]] = field(default_factory=list)
+    steps: int = 0
+
+    def at(self, seconds: float) -> float:
+        """The last accuracy measured at or before `seconds` (nan before the first)."""
+        seen = [acc for t, acc in self.points if t <= seconds]
+        return seen[-1] if seen else float("nan")
+
+    def gain(self) -> float:
+        """Mean accuracy of the last two evaluations, less the first (the starting policy's)."""
+        last = [acc for _, acc in self.points[1:][-2:]]
+        return sum(last) / len(last) - self.points[0][1] if last else float("nan")
+
+    def reach(self, accuracy: float) -> float | None:
+        """The first time the accuracy was at least `accuracy` (None: never)."""
+        return next((t for t, acc in self.points if acc >= accuracy), None)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def shape(args: argparse.Namespace) -> dict:
+    if args.tiny:
+        return {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 32, "intermediate_size": 256}  # fmt: skip
+    return {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
+            "head_dim": 64, "intermediate_size": 2048}  # fmt: skip
+
+
+def build(args: argparse.Namespace, task: WorkedAddition, work: Path) -> tuple[Path, dict]:
+    """The tokenizer (with the chat template) and a fresh model, pretrained (`pretrain`), saved to work/model."""
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    from rlbus.tiny_model import make_config, make_tokenizer, save_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = args.max_positions
+    torch.manual_seed(args.seed)
+    config = make_config(tokenizer, max_position_embeddings=args.max_positions, **shape(args))
+    model = Qwen2ForCausalLM(config).to(args.device)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: Qwen2 {config.hidden_size}x{config.num_hidden_layers}, {params / 1e6:.1f}M parameters",
+        flush=True,
+    )
+    info = pretrain(args, model, tokenizer, task)
+    info["parameters"] = params
+    out = work / "model"
+    model.to(torch.float32).save_pretrained(str(out))
+    save_tokenizer(tokenizer, out)
+    return out, info
+
+
+def rendered(tokenizer, examples: list) -> list:
+    """The examples with their prompts as the chat template renders them for generation (as both systems do)."""
+    from rlbus.tasks.base import Example
+
+    return [
+        Example(
+            prompt=tokenizer.apply_chat_template(
+                [{"role": "user", "content": ex.prompt}], tokenize=False, add_generation_prompt=True
+            ),
+            answer=ex.answer,
+            meta=ex.meta,
+        )
+        for ex in examples
+    ]
+
+
+def pretrain(args: argparse.Namespace, model, tokenizer, task: WorkedAddition) -> dict:
+    """SFT from scratch, one fresh batch a step, AdamW with warm-up; stops at the first greedy evaluation of
+    the val set at `--start-accuracy` or more, or once `--pretrain-s` seconds are spent."""
+    import torch
+
+    from rlbus.tiny_model import collate_sft, evaluate_accuracy
+
+    val = rendered(tokenizer, task.make_examples("val", args.val_examples, seed=args.seed))
+    optim = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 100))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
+    start, step, accuracy, history = time.monotonic(), 0, 0.0, []
+    while accuracy < args.start_accuracy and time.monotonic() - start < args.pretrain_s:
+        step += 1
+        examples = rendered(
+            tokenizer, task.make_examples("train", args.pretrain_batch, seed=args.seed * 1_000_003 + step)
+        )
+        batch = {k: v.to(args.device) for k, v in collate_sft(tokenizer, examples).items()}
+        with autocast:
+            loss = model(**batch).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        if step % args.pretrain_eval_every == 0:
+            with autocast:
+                accuracy = evaluate_accuracy(model, tokenizer, task, val, temperature=0.0)
+            history.append({"step": step, "loss": round(loss.item(), 4), "val_greedy": accuracy})
+            print(f"pretrain step {step}: loss {loss.item():.4f}, held-out greedy accuracy {accuracy:.3f} "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
+    seconds = time.monotonic() - start
+    print(f"pretrained: {step} steps in {seconds:.0f} s, held-out greedy accuracy {accuracy:.3f}", flush=True)
+    return {"steps": step, "seconds": round(seconds, 1), "val_greedy": accuracy, "history": history}
+
+
+def write_data(task: WorkedAddition, args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """train.parquet and val.parquet in verl's schema; val is the pretraining's held-out set."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = []
+    for split, count in (("train", args.train_examples), ("val", args.val_examples)):
+        path = work / f"{split}.parquet"
+        pq.write_table(
+            pa.Table.from_pylist(verl_rows(task.make_examples(split, count, seed=args.seed), split)), path
+        )
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+# ----------------------------------------------------------------------------------------------- rlbus
+
+
+def run_rlbus(
+    args: argparse.Namespace, model: Path, data: tuple[Path, Path], level: int, work: Path
+) -> Curve:
+    """`rlbus up` with verl's keys, stopped with Ctrl-C's signal once the budget is spent."""
+    run_id = f"learning-a{level}"
+    overrides = [
+        f"run.id={run_id}", f"run.dir={work / 'runs'}", "trainer.logger=[console,jsonl]",
+        f"data.train_files={data[0]}", f"data.val_files={data[1]}", f"data.train_batch_size={args.prompts}",
+        f"data.max_prompt_length={args.max_prompt_length}", f"data.max_response_length={args.max_new_tokens}",
+        f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.rollout.temperature={args.temperature}", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "algorithm.adv_estimator=grpo",
+        f"custom_reward_function.path={REWARD_FILE}", "custom_reward_function.name=compute_score",
+        "trainer.total_training_steps=100000", f"trainer.test_freq={args.test_freq}", "trainer.val_before_train=true",
+        "trainer.save_freq=-1", f"trainer.async_level={level}", f"trainer.device={args.device}",
+        f"rollout.device={args.device}", f"model.dtype={args.dtype}",
+    ]  # fmt: skip
+    print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
+    log = (work / f"{run_id}.log").open("w")
+    launched = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", *overrides], cwd=work, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        proc.wait(timeout=args.budget_s)
+        raise RuntimeError(f"rlbus exited {proc.returncode} before its budget; see {log.name}")
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C does: every service stops cleanly
+        proc.wait(timeout=120)
+    rows = [json.loads(line) for line in (work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
+    curve = Curve(f"rlbus async_level={level}", steps=max((int(r.get("step", 0)) for r in rows), default=0))
+    for row in rows:
+        if "val/reward_mean" in row and float(row["time"]) - launched <= args.budget_s:
+            curve.points.append((float(row["time"]) - launched, float(row["val/reward_mean"])))
+    return curve
+
+
+# ----------------------------------------------------------------------------------------------- TRL
+
+
+def trl_child(spec: dict) -> None:
+    """GRPOTrainer in a process of its own (the GPU is free again after it), held-out greedy accuracy by a
+    callback every `test_freq` steps, evaluation time taken off the clock."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from worked_addition import DATA_SOURCE, compute_score
+
+    from rlbus.modeling import load_tokenizer
+    from rlbus.tiny_model import evaluate_accuracy
+
+    # as rlbus loads it: AutoTokenizer would pick Qwen2's class for this config and drop spaces and newlines
+    tokenizer = load_tokenizer(spec["model"])
+    task = WorkedAddition(spec["min_digits"], spec["max_digits"])
+    val = rendered(tokenizer, task.make_examples("val", spec["val_examples"], seed=spec["seed"]))
+    points: list[tuple[float, float]] = []
+    eval_s = [0.0]
+
+    def correct(completions, ground_truth, **_kw):
+        return [
+            compute_score(DATA_SOURCE, c[-1]["content"], gt)
+            for c, gt in zip(completions, ground_truth, strict=True)
+        ]
+
+    class HeldOut(TrainerCallback):
+        def evaluate(self, model) -> None:
+            t0 = time.time()
+            acc = evaluate_accuracy(
+                model, tokenizer, task, val, temperature=0.0, max_new_tokens=spec["max_new_tokens"]
+            )
+            points.append((t0 - spec["launched"] - eval_s[0], acc))  # the clock without earlier evaluations
+            eval_s[0] += time.time() - t0
+
+        def on_train_begin(self, _args, _state, control, model=None, **_kw):
+            self.evaluate(model)
+
+        def on_step_end(self, _args, state, control, model=None, **_kw):
+            spent = time.time() - spec["launched"] - eval_s[0]
+            if state.global_step % spec["test_freq"] == 0 or spent >= spec["budget_s"]:
+                self.evaluate(model)
+            control.should_training_stop = spent >= spec["budget_s"]
+
+    config = GRPOConfig(
+        output_dir=spec["out"], per_device_train_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["prompts"] * spec["n"] // spec["micro_batch"], num_generations=spec["n"],
+        max_completion_length=spec["max_new_tokens"], learning_rate=spec["lr"], beta=0.0, temperature=spec["temperature"],
+        max_steps=100000, logging_steps=1, report_to="none", save_strategy="no", bf16=spec["dtype"] == "bfloat16",
+        use_cpu=spec["device"] == "cpu", cache_implementation="static" if spec["device"] == "cuda" else None,
+        gradient_checkpointing=False, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(spec["train"]).to_pylist()
+    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows],
+                                 "ground_truth": [r["reward_model"]["ground_truth"] for r in rows]})  # fmt: skip
+    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
+    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[HeldOut()])  # fmt: skip
+    if spec["device"] == "cuda":
+        # the compiled static-cache decode that rlbus's engine uses
+        trainer.generation_config.disable_compile = False
+    trainer.train()
+    Path(spec["result"]).write_text(json.dumps({"points": points, "steps": trainer.state.global_step}))
+
+
+def run_trl(args: argparse.Namespace, model: Path, data: tuple[Path, Path], work: Path) -> Curve:
+    out = work / "trl"
+    spec = {
+        "out": str(out), "result": str(out / "result.json"), "model": str(model), "train": str(data[0]),
+        "min_digits": args.min_digits, "max_digits": args.max_digits, "val_examples": args.val_examples,
+        "seed": args.seed, "prompts": args.prompts, "n": args.n, "micro_batch": args.micro_batch,
+        "max_new_tokens": args.max_new_tokens, "lr": args.lr, "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
+        "test_freq": args.test_freq, "budget_s": args.budget_s, "launched": time.time(),
+    }  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    print("TRL GRPOTrainer (static cache, compiled decode, gradient checkpointing off)", flush=True)
+    done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work,
+                          capture_output=True, text=True, timeout=args.budget_s + 600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads(Path(spec["result"]).read_text())
+    return Curve("TRL GRPOTrainer", [tuple(p) for p in result["points"]], result["steps"])
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def report(curves: list[Curve], pretrained: dict, work: Path, args: argparse.Namespace) -> dict:
+    """The curves, time to TRL's final accuracy (else to the best system's half-way gain) and accuracy at
+    TRL's last evaluation; writes learning.json and learning.png."""
+    for c in curves:
+        print(
+            f"{c.name}: {c.steps} steps, gain {c.gain():+.3f}; "
+            + ", ".join(f"{t:.0f}s {a:.3f}" for t, a in c.points)
+        )
+    trl = next((c for c in curves if c.name.startswith("TRL")), None)
+    summary: dict = {"pretrained": pretrained, "budget_s": args.budget_s,
+                     "curves": {c.name: {"steps": c.steps, "gain": c.gain(), "points": c.points} for c in curves}}  # fmt: skip
+    if trl is not None and trl.points:
+        target, at = trl.points[-1][1], trl.points[-1][0]
+        trl_reach = trl.reach(target)
+        summary["target"] = target
+        print(f"target: TRL's final held-out accuracy {target:.3f} (first reached at {trl_reach:.0f} s)")
+        for c in curves:
+            reach = c.reach(target)
+            ratio = reach / trl_reach if reach is not None and trl_reach else None
+            summary[c.name] = {"reach_s": reach, "time_ratio_vs_trl": ratio, "accuracy_at_trl_end": c.at(at)}
+            print(f"  {c.name:24s} reaches it at {'-' if reach is None else f'{reach:.0f} s':>7s}"
+                  f"  ({'-' if ratio is None else f'{ratio:.2f}x'} TRL's time);"
+                  f" accuracy at {at:.0f} s: {c.at(at):.3f}")  # fmt: skip
+    (work / "learning.json").write_text(json.dumps(summary, indent=2))
+    plot(curves, work / "learning.png", pretrained)
+    print(f"wrote {work / 'learning.json'} and {work / 'learning.png'}", flush=True)
+    return summary
+
+
+def plot(curves: list[Curve], out: Path, pretrained: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for c in curves:
+        if c.points:
+            ax.step(
+                [t for t, _ in c.points],
+                [a for _, a in c.points],
+                where="post",
+                marker="o",
+                ms=3,
+                label=c.name,
+            )
+    ax.set_xlabel("wall-clock seconds since launch")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(
+        f"GRPO on worked addition ({pretrained.get('parameters', 0) / 1e6:.0f}M model, from scratch)"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a 0.1M model, short problems, the CPU (CI smoke)")
+    p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    p.add_argument("--async-levels", default="0,1")
+    p.add_argument("--no-trl", action="store_true")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="GRPO wall-clock seconds per system (GPU 180)"
+    )
+    p.add_argument("--pretrain-s", type=float, default=None, help="pretraining's cap (GPU 300)")
+    p.add_argument(
+        "--start-accuracy", type=float, default=None, help="pretraining stops here (GPU 0.2, tiny 0.4)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
+    p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")
+    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.tiny and args.device != "cpu"
+    args.device = args.device or ("cuda" if gpu else "cpu")
+    tiny = args.tiny or not gpu
+    defaults = dict(  # CPU smoke | H200
+        budget_s=(30, 180), pretrain_s=(45, 300), start_accuracy=(0.4, 0.2), min_digits=(1, 6), max_digits=(2, 10), prompts=(16, 64), n=(8, 8),
+        micro_batch=(128, 128), lr=(1e-4, 1e-5), temperature=(0.6, 1.0), test_freq=(3, 5), val_examples=(128, 256), train_examples=(4096, 65536),
+        pretrain_batch=(64, 256), pretrain_lr=(2e-3, 1e-3), pretrain_eval_every=(10, 50), max_positions=(128, 512),
+    )  # fmt: skip
+    for key, (cpu_value, gpu_value) in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, cpu_value if tiny else gpu_value)
+    args.max_new_tokens = WorkedAddition(args.min_digits, args.max_digits).max_new_tokens
+    args.max_prompt_length = 2 * args.max_digits + 24
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.trl_child:
+        trl_child(json.loads(args.trl_child))
+        return 0
+    import tempfile
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="rlbus-learning-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    task = WorkedAddition(args.min_digits, args.max_digits)
+    data = write_data(task, args, work)
+    model, pretrained = build(args, task, work)
+    curves = [
+        run_rlbus(args, model, data, int(level), work) for level in args.async_levels.split(",") if level
+    ]
+    if not args.no_trl:
+        curves.append(run_trl(args, model, data, work))
+    report(curves, pretrained, work, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
