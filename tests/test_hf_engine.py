@@ -275,3 +275,39 @@ def test_weight_push_over_gloo_swaps_weights(tiny: Path) -> None:
         eng.close()
     assert proc.exitcode == 0
     assert torch.equal(eng.model.lm_head.weight, expected_model.lm_head.weight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(tiny: Path) -> None:
+    """A partial fetch, a validation batch of one row, a longer prompt and a shorter budget after start-up
+    reuse the graphs `warm_up` compiled (dynamo counts none new), and greedy output equals the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+
+    shapes = plan_decode_shapes(16, 24, 8)
+    compiled = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=True, decode_shapes=shapes)
+    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+    said: list[str] = []
+    before = counters["stats"]["unique_graphs"]
+    compiled.warm_up(said.append)
+    at_start = counters["stats"]["unique_graphs"]
+    assert at_start - before == len(shapes.row_buckets) == 2
+    assert len(said) == 3 and "16, 2 rows" in said[0] and said[1].startswith("[1/2] decode step for 16 rows")
+    tok = compiled.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    batches = [
+        [GenerationRequest(tok.encode(p, add_special_tokens=False), 8, greedy) for p in ("12+3=", "7=")],
+        [GenerationRequest(tok.encode("12+3=", add_special_tokens=False), 3, greedy)],
+        [GenerationRequest(tok.encode("1+2+3+4+5+6+7+8+9=", add_special_tokens=False), 1, greedy)],
+        [
+            GenerationRequest(
+                tok.encode("4*5=", add_special_tokens=False), 1, greedy.model_copy(update={"max_tokens": 3})
+            )
+        ],
+    ]
+    for requests in batches:
+        got, want = compiled.generate(requests), eager.generate(requests)
+        assert [[c.response_ids for c in r] for r in got] == [[c.response_ids for c in r] for r in want]
+    assert counters["stats"]["unique_graphs"] == at_start, "a batch after start-up compiled a new graph"

@@ -298,6 +298,14 @@ async def hand_on(ctx: ServiceContext, delivery, outcome: TrajectoryGroup | Exce
     ctx.stats["groups"] += 1
 
 
+def say_at_start(ctx: ServiceContext, text: str) -> None:
+    """A start-up step the operator waits on: in the log and on `rlbus up`'s console."""
+    from rlbus.notices import post_notice
+
+    ctx.log.info(text)
+    post_notice(ctx.run_dir, "rollout", text)
+
+
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
@@ -308,6 +316,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     cfg = ctx.cfg
     model_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
     engine = await asyncio.to_thread(build_engine, cfg, model_path)
+    await asyncio.to_thread(engine.warm_up, lambda text: say_at_start(ctx, text))
     limits = await asyncio.to_thread(limits_for, cfg, model_path)
     replica = Replica(ctx, engine)
     ctx.stats.update(

@@ -9,6 +9,7 @@ the recorded log-prob.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Returns, for each request, its `n` completions (with behaviour log-probs)."""
+
+    def warm_up(self, say: Callable[[str], None]) -> None:
+        """Before the replica is ready: the compiling its first batches would otherwise stall on (`say` tells
+        the operator what and how long). Engines that compile nothing lazily do nothing."""
+        return None
 
     @abstractmethod
     def receive_weights(self, announcement: WeightAnnouncement, rank: int, timeout_s: float) -> None:

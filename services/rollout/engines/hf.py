@@ -8,13 +8,14 @@ left-padded prompts here and the right-padded recompute both take position ids f
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import CompileConfig, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from rlbus.gqa_attention import register_gqa_sdpa
 from rlbus.messages import SamplingParams, WeightAnnouncement
@@ -26,6 +27,7 @@ from rlbus.modeling import (
     response_logprobs,
 )
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
+from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
@@ -66,11 +68,6 @@ def _bucket_rows(rows: int, cap: int) -> int:
     return min(max(cap, rows), 1 << max(0, (rows - 1).bit_length()))
 
 
-def _bucket_width(width: int, step: int = 32) -> int:
-    """Prompt width rounded up to a multiple of `step` (left padding is masked, so it changes nothing)."""
-    return -(-width // step) * step
-
-
 class HFEngine(RolloutEngine):
     """One transformers model in this process; weight pushes are copied straight into its parameters."""
 
@@ -87,6 +84,7 @@ class HFEngine(RolloutEngine):
         trust_remote_code: bool = False,
         compiled_decode: bool | None = None,
         gpu_memory_utilization: float = 1.0,
+        decode_shapes: DecodeShapes | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -97,10 +95,13 @@ class HFEngine(RolloutEngine):
             # not in the learner).
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization, self.device)
         # transformers' static KV cache with its compiled (CUDA-graph) decode step: 4-5x the tokens/s of the
-        # dynamic cache on a GPU. Shapes are bucketed (_bucket_rows, _bucket_width) so it compiles a few times.
+        # dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its row buckets on that
+        # bucket's own static cache, compiled by `warm_up`; without, rows and widths are bucketed on the fly.
         self.compiled_decode = (
             self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
         )
+        self.decode_shapes = decode_shapes if self.compiled_decode else None
+        self._static_caches: dict[int, StaticCache] = {}
         if attn_implementation == "sdpa":
             # sdpa without copying the KV cache per query head under the padding mask (rlbus.gqa_attention)
             attn_implementation = register_gqa_sdpa()
@@ -141,6 +142,11 @@ class HFEngine(RolloutEngine):
             trust_remote_code=cfg.model.trust_remote_code,
             compiled_decode=None if cfg.rollout.enforce_eager is None else not cfg.rollout.enforce_eager,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            decode_shapes=plan_decode_shapes(  # the rows of one fetch, in chunks of max_num_seqs
+                min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_batch * cfg.rollout.n),
+                cfg.data.max_prompt_length,
+                cfg.data.max_response_length,
+            ),
         )
 
     def _eos_ids(self) -> set[int]:
@@ -190,7 +196,24 @@ class HFEngine(RolloutEngine):
                     results[i].append(comp)
         return results
 
-    def _generation_config(self, sp: SamplingParams) -> GenerationConfig:
+    def warm_up(self, say: Callable[[str], None]) -> None:
+        """Compile the decode step for every row bucket now, largest first, saying each one's seconds."""
+        shapes = self.decode_shapes
+        if shapes is None:
+            return
+        buckets = sorted(shapes.row_buckets, reverse=True)
+        say(f"compiling the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
+            f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
+        warm = SamplingParams(
+            temperature=1.0, max_tokens=5, ignore_eos=True
+        )  # a CUDA graph is recorded by step 4
+        for i, rows in enumerate(buckets, 1):
+            t0 = time.monotonic()
+            with self._lock:
+                self._generate_rows([[self.pad_id]] * rows, warm, seed=0)
+            say(f"[{i}/{len(buckets)}] decode step for {rows} rows compiled in {time.monotonic() - t0:.1f} s")
+
+    def _generation_config(self, sp: SamplingParams, static_cache: bool = False) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
         # Greedy leaves them out (generate warns about them and ignores them without sampling).
         knobs: dict[str, Any] = {"do_sample": False}
@@ -218,8 +241,28 @@ class HFEngine(RolloutEngine):
             use_cache=True,
             output_logits=True,
             return_dict_in_generate=True,
-            **({"cache_implementation": "static"} if self.compiled_decode else {}),
+            **({"cache_implementation": "static"} if static_cache else {}),
+            **({"compile_config": self._compile_config()} if self.compiled_decode else {}),
         )
+
+    def _compile_config(self) -> CompileConfig:
+        """transformers' default (CUDA graphs on a GPU) with a static graph per batch shape; on the CPU it
+        compiles only when asked to (tests)."""
+        config = CompileConfig(dynamic=False)
+        if self.device.type != "cuda":
+            setattr(config, "_compile_all_devices", True)  # noqa: B010 (transformers' private test switch)
+        return config
+
+    def _static_cache(self, rows: int) -> StaticCache:
+        """The row bucket's own static cache (allocated on its first prefill), emptied for this batch."""
+        shapes = cast(DecodeShapes, self.decode_shapes)
+        cache = self._static_caches.get(rows)
+        if cache is None:
+            cache = self._static_caches[rows] = StaticCache(
+                config=self.model.config, max_cache_len=shapes.cache_len
+            )
+        cache.reset()
+        return cache
 
     @torch.no_grad()
     def _generate_rows(self, prompts: list[list[int]], sp: SamplingParams, seed: int) -> list[Completion]:
@@ -229,9 +272,16 @@ class HFEngine(RolloutEngine):
             raise ValueError("empty prompt: generation needs at least one context token")
         real_rows = len(prompts)
         width = max(len(p) for p in prompts)
+        cache: StaticCache | None = None
         if self.compiled_decode:  # a few fixed shapes, so the compiled decode step is reused across calls
-            width = _bucket_width(width)
-            prompts = prompts + [prompts[0]] * (_bucket_rows(real_rows, self.max_batch_rows) - real_rows)
+            shapes = self.decode_shapes
+            rows = shapes.rows_for(real_rows) if shapes and shapes.fits(width, sp.max_tokens) else None
+            if rows is not None:
+                cache = self._static_cache(rows)
+            else:  # outside the planned shapes (no plan, or longer than the run's lengths): compiles anew
+                rows = _bucket_rows(real_rows, self.max_batch_rows)
+            width = bucket_width(width)
+            prompts = prompts + [prompts[0]] * (rows - real_rows)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for b, p in enumerate(prompts):  # LEFT padding: every row's next token is at the same column
@@ -246,8 +296,11 @@ class HFEngine(RolloutEngine):
             out = cast(Any, self.model).generate(
                 input_ids=ids,
                 attention_mask=mask,
-                generation_config=self._generation_config(sp),
+                generation_config=self._generation_config(
+                    sp, static_cache=self.compiled_decode and cache is None
+                ),
                 stopping_criteria=criteria,
+                past_key_values=cache,
             )
         gen = out.sequences[:, width:]
         temp = effective_temperature(sp.temperature)
