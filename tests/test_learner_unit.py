@@ -93,3 +93,30 @@ def test_ledger_drops_dead_lettered_prompts_of_its_own_only() -> None:
     assert ledger.settle_dead_letter("intruder") is None  # never dispatched by us
     assert ledger.dropped == {"p1": DEAD_LETTERED, "p2": DEAD_LETTERED}
     assert ledger.in_flight == 0 and ledger.dropped_count(DEAD_LETTERED) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_layers_compile_on_the_first_step_only_whatever_the_widths() -> None:
+    """actor.use_torch_compile (on by default on CUDA): the first step compiles the decoder layers; later
+    batches of other prompt and response widths reuse that graph (dynamo counts none new), so no later step
+    pauses for a compile."""
+    from torch._dynamo.utils import counters
+
+    cfg = load_config(None, ["actor.optim.lr=1e-5", "actor.use_torch_compile=true"])
+    trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
+    rng = np.random.default_rng(0)
+    graphs = []
+    for step in range(4):
+        groups = [
+            ready_group(
+                rng.integers(5, 40, size=int(rng.integers(3, 12))).tolist(),
+                [rng.integers(5, 40, size=int(rng.integers(1, 8 + 6 * step))).tolist() for _ in range(4)],
+                [1.0, 0.0, 0.0, 1.0],
+            )
+            for _ in range(4)
+        ]
+        trainer.train_step(collate(groups, pad_id=0))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1, "the first step compiled the layers"
+    assert graphs[1:] == [graphs[0]] * 3, graphs

@@ -65,12 +65,14 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         # graph (torch 2.11, liger 0.8.5: dynamo then retraces and warns on every block)
         compile_layers = ctx.device.type == "cuda" and not mcfg.use_liger
     if compile_layers:
-        # Every block shares one code object, so its graphs (grad on/off, each width until dynamic
-        # shapes kick in, packed or padded) count against one recompile limit: past torch's default
-        # of 8, dynamo silently runs the block eager.
+        # Every block shares one code object, so its graphs (grad on/off, packed or padded) count against
+        # one recompile limit: past torch's default of 8, dynamo silently runs the block eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # Dynamic from the start: the first step compiles the graph every later width reuses. With torch's
+        # default, step 2's new width recompiled the blocks dynamic (an 8-10 s pause on the H200).
+        log.info("the decoder layers compile on the first step (dynamic shapes: once)")
         for layer in decoder_layers(model):  # one compiled graph, reused by every (identical) block
-            layer.compile()
+            layer.compile(dynamic=True)
     if mcfg.enable_gradient_checkpointing:
         # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks
         cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
