@@ -109,6 +109,20 @@ def summarize(
     }
 
 
+def warm_steps(warmup: int, compiled_graphs: list[float], system: str) -> int:
+    """At least `warmup` steps, and every step up to the last that compiled a graph (the learner's or TRL's
+    torch.compile count after each step): a compile stall is never measured as a step."""
+    compiling = [
+        i + 1
+        for i in range(len(compiled_graphs))
+        if compiled_graphs[i] > (compiled_graphs[i - 1] if i else 0)
+    ]
+    warm = max(warmup, compiling[-1] if compiling else 0)
+    if warm > warmup:
+        print(f"  {system}: step {warm} still compiled, so the warm-up runs to it", flush=True)
+    return warm
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile by linear interpolation (numpy's default), without numpy in the TRL child."""
     ordered = sorted(values)
@@ -166,11 +180,12 @@ def run_rlbus(
         raise RuntimeError(f"rlbus exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     rows = [r for r in rows if "timing/step_s" in r]
     times = [float(r["time"]) for r in rows]
-    handoff = [float(r["timing/weight_push_s"]) for r in rows[args.warmup :]]
-    out = summarize(times, args.warmup, args.prompts * args.n * args.max_tokens, sampler, handoff)
-    out["train_s"] = statistics.median(float(r["timing/train_s"]) for r in rows[args.warmup :])
+    warmup = warm_steps(args.warmup, [float(r.get("perf/compiled_graphs", 0)) for r in rows], "rlbus")
+    handoff = [float(r["timing/weight_push_s"]) for r in rows[warmup:]]
+    out = summarize(times, warmup, args.prompts * args.n * args.max_tokens, sampler, handoff)
+    out["train_s"] = statistics.median(float(r["timing/train_s"]) for r in rows[warmup:])
     for key in ("weights/handoff_s", "weights/ack_wait_s"):  # the push's parts (medians), for the note
-        values = [float(r[key]) for r in rows[args.warmup :] if key in r]
+        values = [float(r[key]) for r in rows[warmup:] if key in r]
         if values:
             print(f"  {key}: {statistics.median(values):.4f} s", flush=True)
     return out
@@ -196,13 +211,17 @@ def trl_child(spec: dict) -> None:
     def reward_first_char_is_digit(completions, **_kw):  # cheap, like rlbus's rule verifier
         return [float(c[:1].isdigit()) for c in completions]
 
+    from torch._dynamo.utils import counters
+
     times: list[float] = []
+    graphs: list[float] = []
 
     class StepClock(TrainerCallback):
         def on_step_end(self, *_a, **_kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times.append(time.time())
+            graphs.append(float(counters["stats"]["unique_graphs"]))
 
     total = spec["warmup"] + spec["steps"]
     gen_kwargs = {"min_new_tokens": spec["max_tokens"]}
@@ -246,7 +265,7 @@ def trl_child(spec: dict) -> None:
     if spec["static"]:
         trainer.generation_config.disable_compile = False  # the compiled static-cache decode rlbus uses
     trainer.train()
-    Path(spec["times"]).write_text(json.dumps(times))
+    Path(spec["times"]).write_text(json.dumps({"times": times, "compiled_graphs": graphs}))
 
 
 def run_trl(
@@ -282,8 +301,9 @@ def run_trl(
         )
     if done.returncode != 0:
         raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    times = json.loads(Path(spec["times"]).read_text())
-    return summarize(times, args.warmup, args.prompts * args.n * args.max_tokens, sampler)
+    clock = json.loads(Path(spec["times"]).read_text())
+    warmup = warm_steps(args.warmup, clock["compiled_graphs"], "TRL")
+    return summarize(clock["times"], warmup, args.prompts * args.n * args.max_tokens, sampler)
 
 
 # ----------------------------------------------------------------------------------------------- main

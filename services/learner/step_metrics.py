@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from torch._dynamo.utils import counters
+
 from rlbus.learner.dispatch import DEAD_LETTERED, REFUSED, Ledger
 
 
@@ -42,4 +44,6 @@ def run_counters(
         "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
         "prompts/refused": float(ledger.dropped_count(REFUSED)),
         "checkpoint/rolling_stage_s_total": rolling.staged_total_s if rolling else 0.0,
+        # graphs torch.compile built in this process so far: a rise after step 1 is a compile stall
+        "perf/compiled_graphs": float(counters["stats"]["unique_graphs"]),
     }
