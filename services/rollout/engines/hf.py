@@ -18,6 +18,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from rlbus.gqa_attention import register_gqa_sdpa
+from rlbus.logs import get_logger
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import (
     effective_temperature,
@@ -31,6 +32,8 @@ from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
+
+log = get_logger("rlbus.rollout.hf")
 
 
 def _stop_window(stops: Iterable[str]) -> int:
@@ -280,6 +283,9 @@ class HFEngine(RolloutEngine):
                 cache = self._static_cache(rows)
             else:  # outside the planned shapes (no plan, or longer than the run's lengths): compiles anew
                 rows = _bucket_rows(real_rows, self.max_batch_rows)
+                if shapes is not None:
+                    log.warning("a batch outside the decode shapes compiled at start: it may compile now",
+                                rows=real_rows, prompt_width=width, max_tokens=sp.max_tokens)  # fmt: skip
             width = bucket_width(width)
             prompts = prompts + [prompts[0]] * (rows - real_rows)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
