@@ -187,6 +187,19 @@ def _finished(obs: Observed, run_dir: Path, name: str) -> tuple[list[dict], dict
     return rows, ledger
 
 
+# "Within noise", measured: the held-out accuracy is one greedy pass over 128 prompts after a seeded but
+# timing-dependent RL run, and undisturbed runs of one seed ended at 0.625-0.781 (2026-12-05), so two such
+# values differ by up to ~0.2 with nothing wrong. The train accuracy of the last 30 steps (3,840 samples) is
+# the tight measure of what the faults did to learning; the held-out one guards against a collapse.
+VAL_NOISE = 0.25
+TRAIN_NOISE = 0.05
+
+
+def _late_train_accuracy(rows: list[dict]) -> float:
+    late = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r][-30:]
+    return sum(late) / len(late)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_line) -> None:
@@ -197,18 +210,20 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_lin
             obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED))
         rows, ledger = _finished(obs, tmp_path / name / "runs" / run_id, name)
         val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-        results[name] = (obs, val[-1], ledger)
+        results[name] = (obs, val[-1], _late_train_accuracy(rows), ledger)
 
-    calm, calm_acc, _ = results["calm"]
-    chaos, chaos_acc, ledger = results["chaos"]
+    calm, calm_acc, calm_train, _ = results["calm"]
+    chaos, chaos_acc, chaos_train, ledger = results["chaos"]
     longest = chaos.longest_stall()
     stall_budget = 2 * REPLICA_TIMEOUT_S
     report = "\n".join(
         [
             f"undisturbed: {calm.wall_s:.1f} s, start-up {calm.startup_s:.1f} s, longest stall "
-            f"{calm.longest_stall():.1f} s, final val accuracy {calm_acc:.3f}",
+            f"{calm.longest_stall():.1f} s, final val accuracy {calm_acc:.3f}, train accuracy of the last 30 "
+            f"steps {calm_train:.3f}",
             f"faults:      {chaos.wall_s:.1f} s ({chaos.wall_s / calm.wall_s:.2f}x), longest stall "
-            f"{longest:.1f} s, final val accuracy {chaos_acc:.3f}",
+            f"{longest:.1f} s, final val accuracy {chaos_acc:.3f}, train accuracy of the last 30 steps "
+            f"{chaos_train:.3f}",
             *(
                 f"  at step {s:3d}: {what}, next step {chaos.gap_after(t):.1f} s later"
                 for t, s, what in chaos.events
@@ -231,7 +246,8 @@ def test_seeded_faults_cost_seconds_and_lose_nothing(tmp_path: Path, summary_lin
     # (rlbus.preforked) and requests end with their connection (rlbus.bus.disconnects). The assertion is a
     # regression guard with room for a slow machine; ratios are claimed from the report, not asserted tight.
     assert chaos.wall_s <= 2.0 * calm.wall_s, report
-    assert abs(chaos_acc - calm_acc) <= 0.15, report
+    assert abs(chaos_train - calm_train) <= TRAIN_NOISE, report
+    assert abs(chaos_acc - calm_acc) <= VAL_NOISE, report
 
 
 def _count(values: dict) -> dict:
@@ -314,8 +330,7 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
             run_id = f"heavy-{name}"
             obs = _run(tmp_path / name, server, run_id, plan, random.Random(SEED), HEAVY_OVERRIDES)
         rows, ledger = _finished(obs, tmp_path / name / "runs" / run_id, name)
-        late = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r][-30:]
-        train_acc[name] = sum(late) / len(late)
+        train_acc[name] = _late_train_accuracy(rows)
         lost = {p: r for p, r in ledger["dropped"].items() if r == "run_finished_in_flight"}
         trained_idx = [ledger["dispatched"][p] for p in ledger["trained"]]
         val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
@@ -356,5 +371,5 @@ def test_a_heavy_fault_load_costs_seconds_and_loses_nothing(tmp_path: Path, summ
     assert twice == 0, report
     assert heavy.longest_stall() <= stall_budget, report
     assert heavy.wall_s <= 1.5 * undisturbed_s, report
-    assert abs(heavy_acc - calm_acc) <= 0.15, report
-    assert abs(train_acc["faults"] - train_acc["calm"]) <= 0.05, report
+    assert abs(heavy_acc - (calm_acc + after_acc) / 2) <= VAL_NOISE, report
+    assert abs(train_acc["faults"] - (train_acc["calm"] + train_acc["calm-after"]) / 2) <= TRAIN_NOISE, report
