@@ -123,7 +123,7 @@ def pretrain(args: argparse.Namespace, model, tokenizer, task: WorkedAddition) -
     the val set at `--start-accuracy` or more, or once `--pretrain-s` seconds are spent."""
     import torch
 
-    from rlbus.tiny_model import collate_sft, evaluate_accuracy
+    from rlbus.tiny_model import collate_sft, evaluate_accuracy, sft_step
 
     val = rendered(tokenizer, task.make_examples("val", args.val_examples, seed=args.seed))
     optim = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -136,13 +136,7 @@ def pretrain(args: argparse.Namespace, model, tokenizer, task: WorkedAddition) -
             tokenizer, task.make_examples("train", args.pretrain_batch, seed=args.seed * 1_000_003 + step)
         )
         batch = {k: v.to(args.device) for k, v in collate_sft(tokenizer, examples).items()}
-        with autocast:
-            loss = model(**batch).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        sched.step()
+        loss = sft_step(model, batch, optim, sched, autocast)
         if step % args.pretrain_eval_every == 0:
             with autocast:
                 accuracy = evaluate_accuracy(model, tokenizer, task, val, temperature=0.0)

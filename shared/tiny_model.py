@@ -297,6 +297,25 @@ class SftResult:
     history: list[dict] = field(default_factory=list)
 
 
+def sft_step(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    optim: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    autocast: contextlib.AbstractContextManager = contextlib.nullcontext(),
+) -> torch.Tensor:
+    """One update on a `collate_sft` batch (loss on the answer tokens), gradients clipped to norm 1;
+    returns the loss, detached. `autocast` wraps the forward (bf16 on a GPU)."""
+    with autocast:
+        loss = model(**batch).loss
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    sched.step()
+    return loss.detach()
+
+
 def _warm_start(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -323,14 +342,9 @@ def _warm_start(
     model.train()
     for step in range(1, sft_steps + 1):
         batch = collate_sft(tokenizer, task.make_examples("train", batch_size, seed=seed * 1_000_003 + step))
-        loss = model(**batch).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        sched.step()
+        loss = sft_step(model, batch, optim, sched)
         result.steps_done = step
-        result.loss = float(loss.detach())
+        result.loss = float(loss)
         if target is not None and (step % eval_every == 0 or step == sft_steps):
             acc = evaluate_accuracy(model, tokenizer, task, stop_set, temperature=1.0, seed=seed + step)
             result.history.append({"step": step, "loss": round(result.loss, 5), "val_sampled_accuracy": acc})
