@@ -207,9 +207,8 @@ class HFEngine(RolloutEngine):
         buckets = sorted(shapes.row_buckets, reverse=True)
         say(f"compiling the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
             f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
-        warm = SamplingParams(
-            temperature=1.0, max_tokens=5, ignore_eos=True
-        )  # a CUDA graph is recorded by step 4
+        # five tokens: the prefill's, then decode steps that compile, warm up and record the CUDA graph
+        warm = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
         for i, rows in enumerate(buckets, 1):
             t0 = time.monotonic()
             with self._lock:
