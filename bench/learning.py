@@ -1,7 +1,7 @@
 """Learning benchmark: held-out accuracy against wall-clock seconds, rlbus (async_level 0 and 1) beside TRL.
 
 No weights can be downloaded here, so the model is made on the spot, seeded:
-1. a Qwen2-shaped model (about 75M parameters on the GPU; `--tiny`: 0.1M) on rlbus's character tokenizer
+1. a Qwen2-shaped model (about 75M parameters on the GPU; `--tiny`: 0.3M) on rlbus's character tokenizer
    with a chat template, pretrained from scratch on long addition with its column steps written out
    (`worked_addition.py`), until greedy held-out accuracy reaches `--start-accuracy` (or `--pretrain-s`
    runs out), so that RL has room to improve it;
@@ -185,16 +185,17 @@ def run_rlbus(
         f"rollout.device={args.device}", f"model.dtype={args.dtype}",
     ]  # fmt: skip
     print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
-    log = (work / f"{run_id}.log").open("w")
+    log = work / f"{run_id}.log"
     launched = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", *overrides], cwd=work, stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    try:
-        proc.wait(timeout=args.budget_s)
-        raise RuntimeError(f"rlbus exited {proc.returncode} before its budget; see {log.name}")
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C does: every service stops cleanly
-        proc.wait(timeout=120)
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", *overrides], cwd=work, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        try:
+            proc.wait(timeout=args.budget_s)
+            raise RuntimeError(f"rlbus exited {proc.returncode} before its budget; see {log}")
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C does: every service stops cleanly
+            proc.wait(timeout=120)
     rows = [json.loads(line) for line in (work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
     curve = Curve(f"rlbus async_level={level}", steps=max((int(r.get("step", 0)) for r in rows), default=0))
     for row in rows:
