@@ -94,18 +94,20 @@ def bench_push(engine: Any, model_dir: Path, pushes: int) -> dict[str, float]:
 
 
 def build_random_model(spec: str, out_dir: Path) -> Path:
-    """A random-weight Qwen2 of `HIDDEN:LAYERS` (head_dim 64, GQA 4:1 where the heads allow) on the tiny
-    character tokenizer, built locally."""
+    """A random-weight Qwen2 of `HIDDEN:LAYERS[:INTERMEDIATE]` (head_dim 64, GQA 7:1 like Qwen2-0.5B where the
+    heads allow, else 4:1) on the tiny character tokenizer, built locally. `896:24:4864` is the 0.5B shape."""
     from rlbus.tiny_model import build_random_qwen2
 
-    hidden, layers = (int(x) for x in spec.split(":"))
+    hidden, layers, *rest = (int(x) for x in spec.split(":"))
     heads = max(1, hidden // 64)
+    kv_heads = heads // 7 if heads % 7 == 0 else max(1, heads // 4) if heads % 4 == 0 else heads
     out_dir, params = build_random_qwen2(
         out_dir,
         hidden,
         layers,
-        kv_heads=max(1, heads // 4) if heads % 4 == 0 else heads,
-        intermediate=(hidden * 8 // 3 + 63) // 64 * 64,
+        kv_heads=kv_heads,
+        intermediate=rest[0] if rest else (hidden * 8 // 3 + 63) // 64 * 64,
+        max_positions=4096,
     )
     print(f"random model {spec}: {params / 1e6:.1f}M parameters in {out_dir}", flush=True)
     return out_dir
@@ -118,19 +120,19 @@ def bench_engine(
     from rlbus.rollout.engines.base import GenerationRequest
 
     start = time.perf_counter()
-    if name == "hf":
-        from rlbus.rollout.engines.hf import HFEngine
-
-        engine: Any = HFEngine(
-            model_dir, dtype=args.dtype, device=args.device, seed=0, max_batch_rows=args.max_num_seqs
-        )
+    if name.startswith("hf"):
+        engine: Any = _hf_engine(name, model_dir, prompts, args)
     else:
         from rlbus.rollout.engines.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0)
     startup = time.perf_counter() - start
     sp = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
     )
     requests = [GenerationRequest(p, args.n, sp) for p in prompts]
     try:
@@ -159,6 +161,29 @@ def bench_engine(
         gc.collect()
 
 
+def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:
+    """`hf`: the replica's engine (decode shapes planned for these batches, compiled by warm_up before the
+    clock starts); `hf-unplanned`: compiled decode with shapes bucketed on the fly (the engine before shape
+    planning); `hf-eager`: no compiled decode (rollout.enforce_eager=true)."""
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+    from rlbus.rollout.engines.hf import HFEngine
+
+    rows = min(args.max_num_seqs, len(prompts) * args.n)
+    shapes = plan_decode_shapes(rows, max(len(p) for p in prompts), args.max_tokens)
+    engine = HFEngine(
+        model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        seed=0,
+        max_batch_rows=args.max_num_seqs,
+        compiled_decode=False if name == "hf-eager" else None,
+        decode_shapes=shapes if name == "hf" else None,
+    )
+    if name == "hf":
+        engine.warm_up(lambda line: print(f"   {line}", flush=True))
+    return engine
+
+
 def _table(results: dict[str, dict[str, float]]) -> str:
     cols = [
         ("startup_s", "start s", "{:.1f}"),
@@ -169,11 +194,15 @@ def _table(results: dict[str, dict[str, float]]) -> str:
         ("push_s", "push s", "{:.4f}"),
         ("push_gbps", "push GB/s", "{:.3f}"),
     ]
-    head = f"{'engine':<8}" + "".join(f"{label:>13}" for _, label, _ in cols)
+    head = f"{'engine':<14}" + "".join(f"{label:>13}" for _, label, _ in cols)
     lines = [head, "-" * len(head)]
     for name, row in results.items():
         cells = "".join(f"{(fmt.format(row[k]) if k in row else '-'):>13}" for k, _, fmt in cols)
-        lines.append(f"{name:<8}{cells}")
+        lines.append(f"{name:<14}{cells}")
+    for other in ("hf-unplanned", "hf-eager"):
+        if "hf" in results and other in results and results[other].get("tokens_per_s"):
+            ratio = results["hf"]["tokens_per_s"] / results[other]["tokens_per_s"]
+            lines.append(f"hf/{other} tokens/s ratio: {ratio:.2f}x")
     if "hf" in results and "vllm" in results:
         hf, vl = results["hf"], results["vllm"]
         ratio = vl["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else float("nan")
@@ -195,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HIDDEN:LAYERS",
         help="build a random-weight Qwen2 of this shape instead of using --model",
     )
-    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--engines", default="hf,vllm", help="any of hf, hf-unplanned, hf-eager, vllm")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--ignore-eos", action="store_true", help="every response runs to --max-tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)

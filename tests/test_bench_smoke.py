@@ -1,5 +1,6 @@
 """The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
-configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/bus.py` on a short
+configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/rollout.py` with the
+embedded engine's three decode paths, `bench/bus.py` on a short
 setting with 1 and 2 partitions side by side, and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
 print them."""
@@ -53,6 +54,46 @@ def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
     assert re.search(r"partitions 2, .* achieved +[\d.]+ \([\d.]+\)", side_by_side), side_by_side
     for figure in ("replica -> ready stored", "ready stored -> learner", "CPU ms per group", "H200 step"):
         assert side_by_side.count(figure) == 2, figure
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_eager_decode(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rollout.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/rollout.py",
+            "--random-model",
+            "64:2:128",
+            "--ignore-eos",
+            "--engines",
+            "hf,hf-unplanned,hf-eager",
+            "--prompts",
+            "3",
+            "--n",
+            "2",
+            "--max-tokens",
+            "6",
+            "--batches",
+            "1",
+            "--pushes",
+            "0",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"hf", "hf-unplanned", "hf-eager"}
+    assert all(r["mean_len"] == 6 and r["tokens_per_s"] > 0 for r in results.values()), results
+    assert re.search(r"hf/hf-unplanned tokens/s ratio: [\d.]+x", done.stdout), done.stdout
 
 
 @pytest.mark.slow

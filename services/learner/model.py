@@ -20,6 +20,15 @@ from rlbus.learner.varlen_attention import packed_attention
 log = get_logger("rlbus.learner.model")
 
 
+def compiles_layers(cfg: RlbusConfig, device: torch.device) -> bool:
+    """Whether the policy's decoder layers are torch.compiled: as asked, else on a GPU without Liger (Liger's
+    kernels are the fusion already, and its RMSNorm kernel fails to build inside an inductor graph: torch
+    2.11, liger 0.8.5, where dynamo then retraces and warns on every block)."""
+    if cfg.actor.use_torch_compile is not None:
+        return cfg.actor.use_torch_compile
+    return device.type == "cuda" and not cfg.model.use_liger
+
+
 def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContext) -> nn.Module:
     """Load, then (as configured) gradient checkpointing, LoRA, FSDP2 per decoder layer and root.
 
@@ -59,12 +68,7 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     )
     if mcfg.use_liger:
         apply_liger(model)
-    compile_layers = cfg.actor.use_torch_compile
-    if compile_layers is None:
-        # Liger's kernels are the fusion already, and its RMSNorm kernel fails to build inside an inductor
-        # graph (torch 2.11, liger 0.8.5: dynamo then retraces and warns on every block)
-        compile_layers = ctx.device.type == "cuda" and not mcfg.use_liger
-    if compile_layers:
+    if compiles_layers(cfg, ctx.device):
         # Every block shares one code object, so its graphs (grad on/off, packed or padded) count against
         # one recompile limit: past torch's default of 8, dynamo silently runs the block eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from pathlib import Path
-
-import numpy as np
 
 from rlbus.bus.fan_in import WorkConsumer
 from rlbus.bus.trajectory_log import TrajectoryLog
@@ -15,10 +12,12 @@ from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
+from rlbus.learner.model import compiles_layers
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
-from rlbus.learner.step_metrics import run_counters
+from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, run_counters
 from rlbus.messages import ReadyGroup
+from rlbus.notices import post_notice
 from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
 from rlbus.verl_metric_names import validation_row
 
@@ -34,36 +33,6 @@ def total_steps(cfg: RlbusConfig, dataset_size: int) -> int:
     if cfg.trainer.total_training_steps is not None:
         steps = min(steps, cfg.trainer.total_training_steps)
     return steps
-
-
-def batch_metrics(groups: list[ReadyGroup], version: int) -> dict[str, float]:
-    rewards = np.array([r for g in groups for r in g.scored.rewards], dtype=np.float64)
-    correct = np.array([c for g in groups for c in g.scored.correct], dtype=np.float64)
-    lengths = np.array([len(s.response_ids) for g in groups for s in g.scored.trajectories.samples])
-    lags = [version - g.scored.trajectories.policy_version for g in groups]
-    gen = [g.scored.trajectories.timings.get("generate_s", 0.0) for g in groups]
-    rew = [g.scored.trajectories.timings.get("reward_s", 0.0) for g in groups]
-    errors = sum(e is not None for g in groups for e in g.scored.reward_errors)
-    hist = Counter(lags)
-    out = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()),
-        "reward/accuracy": float(correct.mean()),
-        "reward/errors": float(errors),
-        "reward/error_rate": float(errors / max(len(rewards), 1)),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/clip_frac": float(
-            np.mean([s.finish_reason == "length" for g in groups for s in g.scored.trajectories.samples])
-        ),
-        "staleness/mean": float(np.mean(lags)),
-        "staleness/max": float(max(lags)),
-        "timing/generate_s_per_group": float(np.mean(gen)),
-        "timing/reward_s_per_group": float(np.mean(rew)),
-    }
-    for lag, count in hist.items():
-        out[f"staleness/hist_{lag}"] = float(count)
-    return out
 
 
 class Learner:
@@ -324,7 +293,7 @@ class Learner:
                 verl_row = validation_row(held_out)
                 self.writer.log(step, verl_row)
                 metrics.update({k: v for k, v in held_out.items() if k not in verl_row})
-            metrics.update(await asyncio.to_thread(self.trainer.train_step, batch))
+            metrics.update(await self._train(step, batch))
             t_trained = time.perf_counter()
             if cfg.trainer.rollout_data_dir:
                 write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
@@ -366,6 +335,20 @@ class Learner:
                 )
         await self._finish(ledger_path)
         return 0
+
+    async def _train(self, step: int, batch) -> dict[str, float]:
+        """One update, off the event loop; a step that compiled graphs says so on the console (the first
+        step's compile is expected; a later one is a stall worth knowing about)."""
+        graphs, t0 = compiled_graph_count(), time.perf_counter()
+        if step == self.start_step and compiles_layers(self.cfg, self.trainer.device):
+            post_notice(self.run_dir, "learner", "first step: torch.compile builds the decoder layers (once)")
+        metrics = await asyncio.to_thread(self.trainer.train_step, batch)
+        if (new_graphs := compiled_graph_count() - graphs) > 0:
+            seconds = time.perf_counter() - t0
+            post_notice(
+                self.run_dir, "learner", f"step {step + 1} compiled {new_graphs} graphs ({seconds:.1f} s)"
+            )
+        return metrics
 
     async def _settle_trained(self, deliveries: list, step: int) -> float:
         """Ack the groups just trained on, concurrently; returns the seconds it took."""
@@ -471,7 +454,6 @@ class Learner:
 async def learner_loop(ctx: ServiceContext) -> int:
     from rlbus.learner.data import DataError
     from rlbus.learner.weight_push import WeightPushFailed
-    from rlbus.notices import post_notice
     from rlbus.weight_transport import PlacementError
 
     learner = Learner(ctx)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Protocol
 
+import numpy as np
 from torch._dynamo.utils import counters
 
 from rlbus.learner.dispatch import DEAD_LETTERED, REFUSED, Ledger
+from rlbus.messages import ReadyGroup
 
 
 class PushCounters(Protocol):
@@ -45,5 +48,41 @@ def run_counters(
         "prompts/refused": float(ledger.dropped_count(REFUSED)),
         "checkpoint/rolling_stage_s_total": rolling.staged_total_s if rolling else 0.0,
         # graphs torch.compile built in this process so far: a rise after step 1 is a compile stall
-        "perf/compiled_graphs": float(counters["stats"]["unique_graphs"]),
+        "perf/compiled_graphs": float(compiled_graph_count()),
     }
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    return int(counters["stats"]["unique_graphs"])
+
+
+def batch_metrics(groups: list[ReadyGroup], version: int) -> dict[str, float]:
+    """What the step's groups say: rewards, lengths, staleness and the time each stage took on them."""
+    rewards = np.array([r for g in groups for r in g.scored.rewards], dtype=np.float64)
+    correct = np.array([c for g in groups for c in g.scored.correct], dtype=np.float64)
+    lengths = np.array([len(s.response_ids) for g in groups for s in g.scored.trajectories.samples])
+    lags = [version - g.scored.trajectories.policy_version for g in groups]
+    gen = [g.scored.trajectories.timings.get("generate_s", 0.0) for g in groups]
+    rew = [g.scored.trajectories.timings.get("reward_s", 0.0) for g in groups]
+    errors = sum(e is not None for g in groups for e in g.scored.reward_errors)
+    hist = Counter(lags)
+    out = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/accuracy": float(correct.mean()),
+        "reward/errors": float(errors),
+        "reward/error_rate": float(errors / max(len(rewards), 1)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_frac": float(
+            np.mean([s.finish_reason == "length" for g in groups for s in g.scored.trajectories.samples])
+        ),
+        "staleness/mean": float(np.mean(lags)),
+        "staleness/max": float(max(lags)),
+        "timing/generate_s_per_group": float(np.mean(gen)),
+        "timing/reward_s_per_group": float(np.mean(rew)),
+    }
+    for lag, count in hist.items():
+        out[f"staleness/hist_{lag}"] = float(count)
+    return out
