@@ -319,7 +319,7 @@ def run_round(  # noqa: PLR0913
         print(table(results, None), flush=True)
     if not args.no_trl:
         for name, static in (("TRL defaults", False), ("TRL + static cache", True)):
-            if static and not gpu:
+            if (static and not gpu) or ("static" if static else "defaults") not in args.trl_variants:
                 continue
             try:
                 results[name] = run_trl(args, trl_model, static, work, round_index)
@@ -383,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--no-trl", action="store_true")
     p.add_argument(
+        "--trl-variants",
+        default="defaults,static",
+        help="TRL's runs: defaults (its own generation), static (static cache, compiled decode: cuda only)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=None,
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds}", flush=True)
         rounds.append(run_round(args, model_dir, trl_model, work, gpu, r))
     results = median_results(rounds)
-    base = "TRL defaults" if "TRL defaults" in results else None
+    base = next((b for b in ("TRL + static cache", "TRL defaults") if b in results), None)
     if args.rounds > 1 and base:
         for name in (n for n in results if n.startswith("rlbus")):
             pairs = [

@@ -17,6 +17,8 @@ accuracy of each at TRL's last evaluation, and writes `learning.png` and `learni
 
     python bench/learning.py                       # on the H200: pretrain, then 3 systems x --budget-s
     python bench/learning.py --tiny --no-trl        # CPU smoke (make test-slow): rlbus only, about a minute
+    python bench/learning.py --work W --async-levels 0 --no-trl; python bench/learning.py --work W
+                                                    # split over two calls: the second reuses W's model and curve
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -406,14 +409,38 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     task = WorkedAddition(args.min_digits, args.max_digits)
     data = write_data(task, args, work)
-    model, pretrained = build(args, task, work)
+    model, pretrained = reuse_model(work) or build(args, task, work)
+    (work / "model" / "pretrained.json").write_text(json.dumps(pretrained))
     curves = [
-        run_rlbus(args, model, data, int(level), work) for level in args.async_levels.split(",") if level
+        measured(work, f"rlbus-a{level}", lambda level=int(level): run_rlbus(args, model, data, level, work))
+        for level in args.async_levels.split(",")
+        if level
     ]
     if not args.no_trl:
-        curves.append(run_trl(args, model, data, work))
+        curves.append(measured(work, "trl", lambda: run_trl(args, model, data, work)))
     report(curves, pretrained, work, args)
     return 0
+
+
+def reuse_model(work: Path) -> tuple[Path, dict] | None:
+    """The model an earlier call pretrained in this `--work` folder, if any (a bench split over calls)."""
+    info = work / "model" / "pretrained.json"
+    if not info.exists():
+        return None
+    print(f"model: reusing the pretrained model in {info.parent}", flush=True)
+    return info.parent, json.loads(info.read_text())
+
+
+def measured(work: Path, slug: str, run: Callable[[], Curve]) -> Curve:
+    """A system's curve: measured now, or read back from an earlier call in this `--work` folder."""
+    path = work / f"curve-{slug}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        print(f"{saved['name']}: reusing the curve measured earlier in {path}", flush=True)
+        return Curve(saved["name"], [tuple(p) for p in saved["points"]], saved["steps"])
+    curve = run()
+    path.write_text(json.dumps({"name": curve.name, "points": curve.points, "steps": curve.steps}))
+    return curve
 
 
 if __name__ == "__main__":
