@@ -24,9 +24,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_hf"))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny: Path) -> HFEngine:
-    return HFEngine(tiny, dtype="float32", device="cpu", seed=0)
+@pytest.fixture(scope="module", params=["generate", "static-decode"])
+def engine(tiny: Path, request: pytest.FixtureRequest) -> HFEngine:
+    """The CPU default (transformers' generate) and the GPU's path (our own loop on planned static caches,
+    here uncompiled): every behaviour below holds for both."""
+    if request.param == "generate":
+        return HFEngine(tiny, dtype="float32", device="cpu", seed=0)
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+
+    shapes = plan_decode_shapes(256, 64, 64)
+    return HFEngine(tiny, dtype="float32", device="cpu", seed=0, static_decode=True, decode_shapes=shapes)
 
 
 def _prompts(engine: HFEngine) -> list[list[int]]:

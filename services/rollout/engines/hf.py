@@ -29,6 +29,7 @@ from rlbus.modeling import (
 )
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
+from rlbus.rollout.engines.static_decode import StaticDecoder
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
@@ -88,6 +89,7 @@ class HFEngine(RolloutEngine):
         compiled_decode: bool | None = None,
         gpu_memory_utilization: float = 1.0,
         decode_shapes: DecodeShapes | None = None,
+        static_decode: bool | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -100,10 +102,13 @@ class HFEngine(RolloutEngine):
         # transformers' static KV cache with its compiled (CUDA-graph) decode step: 4-5x the tokens/s of the
         # dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its row buckets on that
         # bucket's own static cache, compiled by `warm_up`; without, rows and widths are bucketed on the fly.
+        # `static_decode` (default: with the compiled decode) runs a planned shape through our own loop
+        # (static_decode.py) instead of `generate`.
         self.compiled_decode = (
             self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
         )
-        self.decode_shapes = decode_shapes if self.compiled_decode else None
+        self.static_decode = self.compiled_decode if static_decode is None else bool(static_decode)
+        self.decode_shapes = decode_shapes if self.compiled_decode or self.static_decode else None
         self._static_caches: dict[int, StaticCache] = {}
         if attn_implementation == "sdpa":
             # sdpa without copying the KV cache per query head under the padding mask (rlbus.gqa_attention)
@@ -126,6 +131,7 @@ class HFEngine(RolloutEngine):
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
         )
+        self._decoder = StaticDecoder(self.model, self._compile_config() if self.compiled_decode else None)
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0
@@ -275,14 +281,14 @@ class HFEngine(RolloutEngine):
         real_rows = len(prompts)
         width = max(len(p) for p in prompts)
         cache: StaticCache | None = None
-        if self.compiled_decode:  # a few fixed shapes, so the compiled decode step is reused across calls
+        if self.compiled_decode or self.static_decode:  # a few fixed shapes: one compiled step each
             shapes = self.decode_shapes
             rows = shapes.rows_for(real_rows) if shapes and shapes.fits(width, sp.max_tokens) else None
             if rows is not None:
                 cache = self._static_cache(rows)
             else:  # outside the planned shapes (no plan, or longer than the run's lengths): compiles anew
                 rows = _bucket_rows(real_rows, self.max_batch_rows)
-                if shapes is not None:
+                if shapes is not None and self.compiled_decode:
                     log.warning("a batch outside the decode shapes compiled at start: it may compile now",
                                 rows=real_rows, prompt_width=width, max_tokens=sp.max_tokens)  # fmt: skip
             width = bucket_width(width)
@@ -298,6 +304,12 @@ class HFEngine(RolloutEngine):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
+            if cache is not None and not stops and self.static_decode:  # no host sync per token
+                done = self._decoder.run(ids, mask, cache, sp, self.eos_ids, self.pad_id)
+                return [
+                    self._cut(g, done.logprobs[b], [], sp.ignore_eos)
+                    for b, g in enumerate(done.tokens[:real_rows])
+                ]
             out = cast(Any, self.model).generate(
                 input_ids=ids,
                 attention_mask=mask,

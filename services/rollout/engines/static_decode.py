@@ -1,0 +1,119 @@
+"""The embedded engine's own decode loop on a row bucket's static KV cache: no host sync per token.
+
+transformers' `generate` checks its stopping criteria on the host after every token, and with
+`output_logits=True` keeps every step's [rows, vocab] float32 logits until the end (40 GB for 512 rows x 128
+tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's compiled decode step
+(transformers' `get_compiled_call`: CUDA graphs on a GPU) at one fixed shape per bucket, picks tokens on the
+device and keeps only the sampled token's log-prob. The host looks at the rows every `CHECK_EVERY` tokens, to
+stop once all of them have ended.
+
+Log-probs follow the engine's convention (module doc of `hf.py`): log_softmax(raw logits / T) at the
+sampled token, in float32; top-k/top-p only narrow what is sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import CompileConfig, StaticCache
+
+from rlbus.messages import SamplingParams
+from rlbus.modeling import effective_temperature
+
+CHECK_EVERY = 16  # tokens between the host's looks at whether every row has ended (each look syncs)
+
+
+@dataclass
+class Decoded:
+    """Sampled tokens and their log-probs, [rows, steps] on the host (ended rows padded after their end)."""
+
+    tokens: list[list[int]]
+    logprobs: Any  # numpy float32 [rows, steps]
+
+
+def pick_tokens(logits: torch.Tensor, sp: SamplingParams, banned: torch.Tensor | None) -> torch.Tensor:
+    """Next tokens from float32 logits [rows, vocab]: greedy at temperature 0, else sampled after temperature,
+    top-k and top-p, with an exponential race (argmax of p / E, E ~ Exp(1): a draw from p without a sync)."""
+    if banned is not None:
+        logits = logits.index_fill(-1, banned, float("-inf"))
+    if sp.temperature <= 0:
+        return logits.argmax(-1)
+    scores = logits / sp.temperature
+    if 0 < sp.top_k < scores.shape[-1]:
+        kth = scores.topk(sp.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs > sp.top_p  # keep the smallest prefix whose mass reaches top_p
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+class StaticDecoder:
+    """Decodes left-padded prompts on a `StaticCache` of `cache_len` positions, one compiled step per shape."""
+
+    def __init__(self, model: Any, compile_config: CompileConfig | None) -> None:
+        self.model = model
+        self.step = model.get_compiled_call(compile_config) if compile_config is not None else model
+
+    @torch.no_grad()
+    def run(  # noqa: PLR0913
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: StaticCache,
+        sp: SamplingParams,
+        eos_ids: set[int],
+        pad_id: int,
+    ) -> Decoded:
+        rows, width = ids.shape
+        device = ids.device
+        full_mask = torch.zeros((rows, cache.max_cache_len), dtype=mask.dtype, device=device)
+        full_mask[:, :width] = mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            cache_position=torch.arange(width, device=device),
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+        del out
+        eos = torch.tensor(sorted(eos_ids), device=device)
+        banned = eos if sp.ignore_eos else None  # as generate's min_new_tokens: an end is never drawn
+        temp = effective_temperature(sp.temperature)
+        next_position = mask.sum(-1, keepdim=True)
+        tokens = torch.full((rows, sp.max_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, sp.max_tokens), dtype=torch.float32, device=device)
+        ended = torch.zeros(rows, dtype=torch.bool, device=device)
+        cache_positions = torch.arange(width, width + sp.max_tokens, device=device)
+        steps = 0
+        for t in range(sp.max_tokens):
+            token = pick_tokens(logits, sp, banned)
+            token = torch.where(ended, pad_id, token)
+            tokens[:, t] = token
+            logprobs[:, t] = (logits / temp).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            steps = t + 1
+            if not sp.ignore_eos:
+                ended |= torch.isin(token, eos)
+            if t + 1 == sp.max_tokens or ((t + 1) % CHECK_EVERY == 0 and bool(ended.all())):
+                break
+            full_mask[:, width + t] = 1
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
+            out = self.step(
+                input_ids=token[:, None],
+                attention_mask=full_mask,
+                position_ids=next_position + t,
+                past_key_values=cache,
+                cache_position=cache_positions[t : t + 1],
+                use_cache=True,
+            )
+            logits = out.logits[:, -1].float()
+            del out
+        return Decoded(tokens[:, :steps].tolist(), logprobs[:, :steps].cpu().numpy())
