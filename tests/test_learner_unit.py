@@ -97,14 +97,22 @@ def test_ledger_drops_dead_lettered_prompts_of_its_own_only() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_compiled_layers_compile_on_the_first_step_only_whatever_the_widths() -> None:
-    """actor.use_torch_compile (on by default on CUDA): the first step compiles the decoder layers; later
-    batches of other prompt and response widths reuse that graph (dynamo counts none new), so no later step
-    pauses for a compile."""
+def test_compiled_layers_compile_at_warm_up_only_whatever_the_widths() -> None:
+    """actor.use_torch_compile (on by default on CUDA for a model of 10M parameters or more): the learner's
+    warm-up compiles the decoder layers on a placeholder batch without touching the weights; every step after
+    it, at any prompt and response width, reuses that graph (dynamo counts none new), so no step pauses for
+    a compile."""
     from torch._dynamo.utils import counters
 
     cfg = load_config(None, ["actor.optim.lr=1e-5", "actor.use_torch_compile=true"])
     trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    start = counters["stats"]["unique_graphs"]
+    assert trainer.compiles_layers and trainer.warm_up()
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed > start, "the warm-up compiled the layers"
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert all(p.grad is None for p in trainer.model.parameters())
     rng = np.random.default_rng(0)
     graphs = []
     for step in range(4):
@@ -118,5 +126,15 @@ def test_compiled_layers_compile_on_the_first_step_only_whatever_the_widths() ->
         ]
         trainer.train_step(collate(groups, pad_id=0))
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[0] >= 1, "the first step compiled the layers"
-    assert graphs[1:] == [graphs[0]] * 3, graphs
+    assert graphs == [warmed] * 4, graphs
+
+
+def test_layers_compile_by_default_only_on_a_gpu_for_a_model_whose_compile_pays() -> None:
+    from rlbus.learner.model import compiles_layers
+
+    cfg, cuda, cpu = load_config(None, []), torch.device("cuda"), torch.device("cpu")
+    assert compiles_layers(cfg, cuda, 500_000_000) and compiles_layers(cfg, cuda, 10_000_000)
+    assert not compiles_layers(cfg, cuda, 300_000), "the bundled demo model: the compile never pays"
+    assert not compiles_layers(cfg, cpu, 500_000_000)
+    assert not compiles_layers(load_config(None, ["model.use_liger=true"]), cuda, 500_000_000)
+    assert compiles_layers(load_config(None, ["actor.use_torch_compile=true"]), cpu, 300_000), "as asked"

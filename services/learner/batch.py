@@ -115,3 +115,28 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
         policy_versions=torch.tensor(versions, dtype=torch.long),
         temperature=temperature,
     )
+
+
+def placeholder_batch(rows: int, width: int, temperature: float) -> TrainBatch:
+    """`rows` sequences of up to `width` tokens (token id 1, the second half a response, the last row padded
+    as real batches are: attention without padding takes another path) for warming up compiled layers: two
+    or more rows and tokens, since torch specializes sizes 0 and 1 into graphs of their own."""
+    rows, width = max(2, rows), max(8, width)
+    attention = torch.ones((rows, width), dtype=torch.long)
+    attention[-1, -width // 4 :] = 0
+    response = torch.zeros((rows, width - 1))
+    response[:, width // 2 :] = 1.0
+    response *= attention[:, 1:]
+    return TrainBatch(
+        input_ids=torch.ones((rows, width), dtype=torch.long) * attention,
+        attention_mask=attention,
+        position_ids=torch.arange(width).expand(rows, width).clone(),
+        response_mask=response,
+        behaviour_logprobs=torch.zeros((rows, width - 1)),
+        ref_logprobs=None,
+        rewards=torch.zeros(rows),
+        correct=torch.zeros(rows, dtype=torch.bool),
+        group_ids=torch.zeros(rows, dtype=torch.long),
+        policy_versions=torch.zeros(rows, dtype=torch.long),
+        temperature=temperature,
+    )

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rlbus.logs import get_logger
+from rlbus.modeling import compile_pays, parameter_count
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
@@ -20,13 +21,14 @@ from rlbus.learner.varlen_attention import packed_attention
 log = get_logger("rlbus.learner.model")
 
 
-def compiles_layers(cfg: RlbusConfig, device: torch.device) -> bool:
-    """Whether the policy's decoder layers are torch.compiled: as asked, else on a GPU without Liger (Liger's
-    kernels are the fusion already, and its RMSNorm kernel fails to build inside an inductor graph: torch
-    2.11, liger 0.8.5, where dynamo then retraces and warns on every block)."""
+def compiles_layers(cfg: RlbusConfig, device: torch.device, parameters: int) -> bool:
+    """Whether the policy's decoder layers are torch.compiled: as asked, else on a GPU for a model large
+    enough to win the compile back (`compile_pays`) and without Liger (Liger's kernels are the fusion already,
+    and its RMSNorm kernel fails to build inside an inductor graph: torch 2.11, liger 0.8.5, where dynamo then
+    retraces and warns on every block)."""
     if cfg.actor.use_torch_compile is not None:
         return cfg.actor.use_torch_compile
-    return device.type == "cuda" and not cfg.model.use_liger
+    return device.type == "cuda" and not cfg.model.use_liger and compile_pays(parameters)
 
 
 def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContext) -> nn.Module:
@@ -68,7 +70,8 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
     )
     if mcfg.use_liger:
         apply_liger(model)
-    if compiles_layers(cfg, ctx.device):
+    model._rlbus_compiled_layers = compiles_layers(cfg, ctx.device, parameter_count(model))  # type: ignore[assignment]  # a flag, read by the trainer
+    if model._rlbus_compiled_layers:
         # Every block shares one code object, so its graphs (grad on/off, packed or padded) count against
         # one recompile limit: past torch's default of 8, dynamo silently runs the block eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

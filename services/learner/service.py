@@ -12,7 +12,6 @@ from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
-from rlbus.learner.model import compiles_layers
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
 from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, run_counters
@@ -270,6 +269,7 @@ class Learner:
         ledger_saved = time.monotonic()
         if cfg.trainer.val_only:
             return await self.validate_only()
+        self._warming = asyncio.ensure_future(self._warm_up())  # awaited by the first update
         for step in range(self.start_step, self.total_steps):
             t_step = time.perf_counter()
             validate = (step == 0 and cfg.trainer.val_before_train) or (
@@ -336,12 +336,22 @@ class Learner:
         await self._finish(ledger_path)
         return 0
 
+    async def _warm_up(self) -> None:
+        """The decoder layers' compile, at start and beside the first batch's generation, not in step 1."""
+        if not self.trainer.compiles_layers:
+            return
+        post_notice(self.run_dir, "learner", "compiling the decoder layers, once, at start")
+        t0 = time.perf_counter()
+        if await asyncio.to_thread(self.trainer.warm_up):
+            post_notice(
+                self.run_dir, "learner", f"decoder layers compiled in {time.perf_counter() - t0:.1f} s"
+            )
+
     async def _train(self, step: int, batch) -> dict[str, float]:
-        """One update, off the event loop; a step that compiled graphs says so on the console (the first
-        step's compile is expected; a later one is a stall worth knowing about)."""
+        """One update, off the event loop, after the warm-up; a step that compiled graphs says so on the
+        console (a compile after start-up is a stall worth knowing about)."""
+        await self._warming
         graphs, t0 = compiled_graph_count(), time.perf_counter()
-        if step == self.start_step and compiles_layers(self.cfg, self.trainer.device):
-            post_notice(self.run_dir, "learner", "first step: torch.compile builds the decoder layers (once)")
         metrics = await asyncio.to_thread(self.trainer.train_step, batch)
         if (new_graphs := compiled_graph_count() - graphs) > 0:
             seconds = time.perf_counter() - t0

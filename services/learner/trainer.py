@@ -25,7 +25,7 @@ from rlbus.learner.algorithms.policy_loss import (
     truncated_is_weights,
     user_policy_loss,
 )
-from rlbus.learner.batch import TrainBatch, row_index
+from rlbus.learner.batch import TrainBatch, placeholder_batch, row_index
 from rlbus.learner.dist import context as dist_context
 from rlbus.learner.optim import build_optimizer, build_scheduler
 from rlbus.modeling import torch_dtype
@@ -69,6 +69,30 @@ class PolicyTrainer:
         return self.par.lead_gather(
             lambda: model_setup.full_state_items(self.model, torch_dtype(self.cfg.model.dtype))
         )
+
+    @property
+    def compiles_layers(self) -> bool:
+        """Whether the policy's decoder layers are torch.compiled (decided when the model was built)."""
+        return bool(getattr(self.model, "_rlbus_compiled_layers", False))
+
+    def warm_up(self) -> bool:
+        """Compile the decoder layers now, on a placeholder batch (gradients on, and off where the step takes
+        an old-log-prob pass), so the first real step compiles nothing; the gradients are dropped, weights and
+        optimizer state untouched. A learner of several ranks compiles on its first step instead (every rank
+        would have to mirror this). Returns whether it compiled anything."""
+        if not self.compiles_layers or self.par.world_size > 1:
+            return False
+        actor = self.cfg.actor
+        batch = placeholder_batch(2, 16, self.cfg.rollout.temperature)
+        self.model.train()
+        minis = 0 < actor.ppo_mini_batch_size < self.cfg.data.train_batch_size
+        if actor.ppo_epochs > 1 or minis or self.cfg.algorithm.use_kl_in_reward:
+            self._logprobs_no_grad(batch, 2)
+        logprobs, entropy = self._forward(batch, entropy=True)
+        assert entropy is not None  # asked for
+        ((logprobs.sum() + entropy.sum()) * 0.0).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward.forward_logprobs(

@@ -21,9 +21,11 @@ from rlbus.gqa_attention import register_gqa_sdpa
 from rlbus.logs import get_logger
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import (
+    compile_pays,
     effective_temperature,
     load_causal_lm,
     load_tokenizer,
+    parameter_count,
     pick_device,
     response_logprobs,
 )
@@ -104,11 +106,6 @@ class HFEngine(RolloutEngine):
         # bucket's own static cache, compiled by `warm_up`; without, rows and widths are bucketed on the fly.
         # `static_decode` (default: with the compiled decode) runs a planned shape through our own loop
         # (static_decode.py) instead of `generate`.
-        self.compiled_decode = (
-            self.device.type == "cuda" if compiled_decode is None else bool(compiled_decode)
-        )
-        self.static_decode = self.compiled_decode if static_decode is None else bool(static_decode)
-        self.decode_shapes = decode_shapes if self.compiled_decode or self.static_decode else None
         self._static_caches: dict[int, StaticCache] = {}
         if attn_implementation == "sdpa":
             # sdpa without copying the KV cache per query head under the padding mask (rlbus.gqa_attention)
@@ -122,6 +119,13 @@ class HFEngine(RolloutEngine):
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+        self.compiled_decode = (  # by default on a GPU, for a model whose compile pays (rlbus.modeling)
+            self.device.type == "cuda" and compile_pays(parameter_count(self.model))
+            if compiled_decode is None
+            else bool(compiled_decode)
+        )
+        self.static_decode = self.compiled_decode if static_decode is None else bool(static_decode)
+        self.decode_shapes = decode_shapes if self.compiled_decode or self.static_decode else None
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_ids = self._eos_ids()
         # A checkpoint's generation_config.json (repetition_penalty, top_k=20, ...) would change what is
