@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rlbus.learner.checkpoint import COMPLETE_MARKER, list_checkpoints, prune_checkpoints
-from rlbus.learner.rolling_checkpoint import rolling_due
+from rlbus.learner.rolling_checkpoint import CheckpointCost, rolling_due
 
 
 def test_a_step_stages_when_the_cost_spread_over_the_steps_since_fits_the_budget() -> None:
@@ -20,6 +22,25 @@ def _complete(root: Path, step: int) -> None:
     d = root / f"step_{step}"
     d.mkdir(parents=True)
     (d / COMPLETE_MARKER).write_text("{}")
+
+
+def test_the_cost_counts_what_the_steps_during_the_write_took_beyond_a_plain_step() -> None:
+    """Staging 0.18 s of 0.34 s steps at budget 5% would be due every 11th step; the 3 steps the write slowed
+    by 0.03 s each make the cost 0.27 s: due every 16th."""
+    cost = CheckpointCost()
+    cost.step(0.34, writing=False)
+    assert cost.due(0.05), "never measured: stage and learn the cost"
+    cost.staged(0.18)
+    for _ in range(3):
+        cost.step(0.37, writing=True)
+    assert cost.write_slowdown_s == pytest.approx(0.09)
+    for _ in range(12):
+        cost.step(0.34, writing=False)
+    assert cost.steps_since == 15 and not cost.due(0.05)
+    cost.step(0.34, writing=False)
+    assert cost.due(0.05)
+    cost.staged(0.18)
+    assert cost.write_slowdown_s == 0.0 and cost.steps_since == 0
 
 
 def test_pruning_keeps_the_kept_ones_and_only_the_newest_rolling_one(tmp_path: Path) -> None:

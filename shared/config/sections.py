@@ -204,7 +204,8 @@ class RolloutConfig(Section):
     enforce_eager: bool | None = Field(
         None,
         description="no compiled/CUDA-graph decode; None = the engine's choice (eager on CPU, compiled "
-        "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache)",
+        "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache for a model of 10M parameters "
+        "or more)",
     )
     enable_prefix_caching: bool = Field(
         True, description="vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt)"

@@ -83,8 +83,8 @@ class ActorConfig(Section):
     )
     use_torch_compile: bool | None = Field(
         None,
-        description="torch.compile each decoder layer of the policy; None = on when the learner is on CUDA "
-        "and model.use_liger is off",
+        description="torch.compile each decoder layer of the policy (once, at start); None = on when the "
+        "learner is on CUDA, model.use_liger is off and the model has 10M parameters or more",
     )
     master_weights: Literal["auto", "model", "optimizer"] = Field(
         "auto",
