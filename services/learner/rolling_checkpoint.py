@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,14 +174,16 @@ class RollingCheckpointer:
         self.staged_total_s = 0.0  # what the steps paid, for metrics
         self.written = 0
         self.host = HostBuffers()
-        self._writing: asyncio.Task | None = None
+        self._writing: asyncio.Future | None = None
+        self._write_done = threading.Event()
 
     async def after_step(
         self, step: int, step_s: float, trainer: Any, extra: Callable[[], dict[str, Any]], tokenizer: Any
     ) -> float:
         """Stage `step` when due and the last write is done (a step never waits for the disk), and start
         writing it; returns the seconds the step paid."""
-        writing = self._writing is not None and not self._writing.done()
+        # the writer thread's own flag: the task wrapping it completes only once the event loop turns
+        writing = self._writing is not None and not self._write_done.is_set()
         self.cost.step(step_s, writing)
         if writing or not self.cost.due(self.budget):
             return 0.0
@@ -191,13 +194,17 @@ class RollingCheckpointer:
         stage_s = time.perf_counter() - t0
         self.cost.staged(stage_s)
         self.staged_total_s += stage_s
-        self._writing = asyncio.create_task(asyncio.to_thread(self._write_and_prune, staged))
+        self._write_done.clear()  # submitted now (a task would start the thread only once the loop turns)
+        self._writing = asyncio.get_running_loop().run_in_executor(None, self._write_and_prune, staged)
         return stage_s
 
     def _write_and_prune(self, staged: Staged) -> None:
-        write(staged)
-        self.written += 1
-        prune_checkpoints(self.root, self.keep, self.is_kept)
+        try:
+            write(staged)
+            self.written += 1
+            prune_checkpoints(self.root, self.keep, self.is_kept)
+        finally:
+            self._write_done.set()
 
     async def flush(self) -> None:
         """Wait for the write in flight (before a kept save, or at the end); a failed write is logged."""
