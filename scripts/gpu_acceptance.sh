@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU figures the README quotes, in three parts that each fit a 10-minute slot on one GPU (H100/H200):
+#   bash scripts/gpu_acceptance.sh 1   # make test-gpu, decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128),
+#                                      # a plain `rlbus up` with a timestamp on every console line, checkpoint cost
+#   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
+#   bash scripts/gpu_acceptance.sh 3   # bench/learning.py (pretrain on the spot, then rlbus a0/a1 and TRL)
+#     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine,
+#     first with LEARNING_ARGS="--budget-s 120 --no-trl", then plainly; the second reuses the model and the
+#     curves left in $LEARNING_WORK.
+# Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
+set -uo pipefail
+part=${1:?part 1, 2 or 3}
+results=${RESULTS:-./gpu-results}
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+date -u +%FT%TZ
+stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done; }
+case $part in
+1)
+  echo "== make test-gpu"
+  timeout 150 "$py" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15
+  echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
+  timeout 200 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines hf,hf-unplanned \
+    --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
+    --pushes 0 --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" | tail -12
+  echo "== plain rlbus up, started at $(date +%s.%N | cut -c1-14)"
+  up_dir=$(mktemp -d)
+  (cd "$up_dir" && timeout 120 "$py" -m rlbus.cli up trainer.total_training_steps=30 2>&1 | stamp >"$results/up.log")
+  grep -E "rlbus:|step +[0-9]+/" "$results/up.log" | head -40
+  echo "== rolling checkpoint cost, 0.5B shape"
+  timeout 150 "$py" bench/checkpoint.py --steps 20 --rounds 2 2>&1 | grep -E "GB of|round|rolling checkpoint at"
+  ;;
+2)
+  timeout 570 "$py" bench/e2e_gpu.py --async-levels 0,1 --trl-variants static --rounds 3 --warmup 2 --steps 5 \
+    --timeout 240 2>&1 | grep -v "Loading weights" | tee "$results/e2e.log" | tail -40
+  ;;
+3)
+  work=${LEARNING_WORK:-/tmp/rlbus-learning}
+  timeout "${LEARNING_TIMEOUT:-580}" "$py" bench/learning.py --work "$work" ${LEARNING_ARGS:---budget-s 120} 2>&1 \
+    | grep -v "Loading weights" | tee "$results/learning.log" | grep -v "rlbus up run.id" | tail -30
+  cp "$work"/learning.png "$work"/learning.json "$work"/curve-*.json "$results"/ 2>/dev/null
+  ;;
+*)
+  echo "unknown part $part (1, 2 or 3)" >&2
+  exit 2
+  ;;
+esac
+date -u +%FT%TZ
