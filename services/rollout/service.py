@@ -23,6 +23,8 @@ from rlbus.messages import (
 )
 from rlbus.service import ServiceContext, run_service
 
+SUPERSEDED_CHECK_S = 2.0  # how long a replica asks whether a newer weight push is out before joining this one
+
 
 class Replica:
     def __init__(self, ctx: ServiceContext, engine) -> None:
@@ -128,13 +130,18 @@ class Replica:
     async def _superseded(self, key: tuple[int, int]) -> bool:
         """Whether the current announcement is newer than `key` (this one waited behind a long receive, or
         is the last one a dead learner attempt left in the store)."""
-        try:
-            raw = await self.ctx.state.get_announcement()
+        try:  # briefly: the learner's broadcast is waiting on us (a read retried through a NATS failover ran
+            # 30 s, and the push timed out on us)
+            raw = await asyncio.wait_for(self.ctx.state.get_announcement(), SUPERSEDED_CHECK_S)
             latest = decode(raw, WeightAnnouncement) if raw else None
         except Exception as exc:  # noqa: BLE001 - cannot tell: take part in this one
-            self.ctx.log.warning("cannot read the current weight announcement", error=str(exc))
+            self.ctx.log.warning("cannot read the current weight announcement", error=repr(exc))
             return False
-        return latest is not None and (latest.epoch, latest.version) != key
+        if latest is not None and (latest.epoch, latest.version) != key:
+            self.ctx.log.info("weight announcement superseded: skipped", skipped=key,
+                              current=(latest.epoch, latest.version))  # fmt: skip
+            return True
+        return False
 
     async def _ack(self, ann: WeightAnnouncement, ok: bool, detail: str = "") -> None:
         ack = WeightAck(
