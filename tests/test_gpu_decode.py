@@ -56,4 +56,15 @@ def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(tmp_p
             if len(want_lp):
                 worst = max(worst, float(np.abs(comp.logprobs - want_lp).max()))
     assert worst < 1e-3, worst
+    # a weight push copies in place, so the captured graphs decode with the new weights
+    generator = torch.Generator().manual_seed(1)
+    pushed = {
+        k: v.detach().cpu() + 0.05 * torch.randn(v.shape, generator=generator)
+        for k, v in fast.model.named_parameters()  # tied weights once, as a push sends them
+    }
+    fast.load_weights(pushed, version=1)
+    eager.load_weights(pushed, version=1)
+    batch = [GenerationRequest(p, 16, greedy) for p in prompts]
+    got, want = fast.generate(batch), eager.generate(batch)
+    assert [[c.response_ids for c in r] for r in got] == [[c.response_ids for c in r] for r in want]
     assert counters["stats"]["unique_graphs"] == compiled, "a batch after warm-up compiled a new graph"

@@ -309,7 +309,8 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
             if cache is not None and not stops and self.static_decode:  # no host sync per token
-                done = self._decoder.run(ids, mask, cache, sp, self.eos_ids, self.pad_id)
+                cache_len = cast(DecodeShapes, self.decode_shapes).cache_len
+                done = self._decoder.run(ids, mask, cache, cache_len, sp, self.eos_ids, self.pad_id)
                 return [
                     self._cut(g, done.logprobs[b], [], sp.ignore_eos)
                     for b, g in enumerate(done.tokens[:real_rows])

@@ -66,13 +66,14 @@ class StaticDecoder:
         ids: torch.Tensor,
         mask: torch.Tensor,
         cache: StaticCache,
+        cache_len: int,
         sp: SamplingParams,
         eos_ids: set[int],
         pad_id: int,
     ) -> Decoded:
         rows, width = ids.shape
         device = ids.device
-        full_mask = torch.zeros((rows, cache.max_cache_len), dtype=mask.dtype, device=device)
+        full_mask = torch.zeros((rows, cache_len), dtype=mask.dtype, device=device)  # the cache's length
         full_mask[:, :width] = mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
