@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import structlog
+from nats.js import api as js_api
 from nats.js.errors import ObjectNotFoundError
 
 from rlbus import codec
@@ -176,6 +177,35 @@ async def test_every_schema_round_trips_through_jetstream(bus: Bus, run_id: str)
     assert isinstance(d.message, TrajectoryGroup)
     np.testing.assert_array_equal(d.message.samples[1].logprobs, tg.samples[1].logprobs)
     await d.ack()
+
+
+async def test_services_creating_the_run_streams_at_once_all_succeed(
+    bus: Bus, nats_url: str, run_id: str
+) -> None:
+    """Every service creates the run's streams at start, each on its own connection, at the same moment: a
+    create that meets another's in flight ("subjects overlap", err 10065) is tried again, not raised (a
+    replica once crashed on it at start). The race is rare; this runs it 8 services wide, 5 times."""
+    import nats
+
+    from rlbus.bus.streams import ensure_work_streams
+
+    clients = [await nats.connect(nats_url) for _ in range(8)]
+    try:
+        for attempt in range(5):
+            names = RunNames(run_id) if attempt == 0 else RunNames(f"{run_id}x{attempt}")
+            await asyncio.gather(
+                *(ensure_work_streams(c.jetstream(), names, js_api.StorageType.FILE, 1) for c in clients)
+            )
+            info = await bus.js.stream_info(names.stream(Stage.READY))
+            assert info.config.subjects == [f"rlbus.{names.run_id}.ready"]
+            if attempt:
+                for stage in Stage:
+                    for stream in names.streams(stage):
+                        await bus.js.delete_stream(stream)
+                await bus.js.delete_stream(names.dlq_stream)
+    finally:
+        for c in clients:
+            await c.close()
 
 
 async def test_ensure_streams_is_idempotent_and_names_are_namespaced(bus: Bus, run_id: str) -> None:

@@ -7,6 +7,8 @@ when JetStream allows it.
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import BadRequestError
@@ -14,15 +16,26 @@ from nats.js.errors import BadRequestError
 from rlbus.bus.headers import DLQ_MAX_AGE_S, DLQ_MAX_MSGS, DUPLICATE_WINDOW_S, BusError
 from rlbus.bus.subjects import RunNames, Stage
 
+CREATE_RACE_TRIES = 5  # tries of a stream another service is creating at the same moment
+
 
 async def add_or_update(js: JetStreamContext, config: js_api.StreamConfig) -> None:
-    try:
-        await js.add_stream(config)
-    except BadRequestError as exc:
-        if exc.err_code != 10058:  # "stream name already in use with a different configuration"
-            raise
+    for attempt in range(1, CREATE_RACE_TRIES + 1):
+        try:
+            await js.add_stream(config)
+            return
+        except BadRequestError as exc:
+            # "subjects overlap with an existing stream": while another service's create of this very stream
+            # is in flight, the server sees its subjects taken and the name free (a replica crashed on it at
+            # start); once it exists, adding it again is a no-op. An overlap that lasts is a real one.
+            if exc.err_code == 10065 and attempt < CREATE_RACE_TRIES:
+                await asyncio.sleep(0.1 * attempt)
+                continue
+            if exc.err_code != 10058:  # "stream name already in use with a different configuration"
+                raise
         try:
             await js.update_stream(config)
+            return
         except BadRequestError as exc2:
             raise BusError(
                 f"stream {config.name} exists with a setup that cannot change to what this run asks "
