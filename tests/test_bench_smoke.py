@@ -19,15 +19,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_bench(args: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+    """`python <args>` in the repository root, its output captured."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_learner_bench_runs_its_default_configs_on_cpu() -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/learner.py", "--tiny", "--steps", "1", "--warmup", "1", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=580,
-        cwd=ROOT,
+    done = run_bench(
+        ["bench/learner.py", "--tiny", "--steps", "1", "--warmup", "1", "--device", "cpu"], timeout=580
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
@@ -41,13 +42,7 @@ def test_the_learner_bench_runs_its_default_configs_on_cpu() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/bus.py", "--partitions", "1,2", "--rates", "40", "--seconds", "2"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-    )
+    done = run_bench(["bench/bus.py", "--partitions", "1,2", "--rates", "40", "--seconds", "2"], timeout=280)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     side_by_side = done.stdout.split("# side by side", 1)[1]
     assert re.search(r"partitions 1, .* achieved +[\d.]+ \([\d.]+\)", side_by_side), side_by_side
@@ -62,9 +57,8 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_e
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "rollout.json"
-    done = subprocess.run(
+    done = run_bench(
         [
-            sys.executable,
             "bench/rollout.py",
             "--random-model",
             "64:2:128",
@@ -84,10 +78,7 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_e
             "--json",
             str(out),
         ],
-        capture_output=True,
-        text=True,
         timeout=280,
-        cwd=ROOT,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
@@ -99,9 +90,8 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_e
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_learning_bench_pretrains_a_model_that_rlbus_then_improves(tmp_path: Path) -> None:
-    done = subprocess.run(
+    done = run_bench(
         [
-            sys.executable,
             "bench/learning.py",
             "--tiny",
             "--no-trl",
@@ -110,10 +100,7 @@ def test_the_learning_bench_pretrains_a_model_that_rlbus_then_improves(tmp_path:
             "--work",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         timeout=380,
-        cwd=ROOT,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     summary = json.loads((tmp_path / "learning.json").read_text())
