@@ -338,7 +338,7 @@ class Learner:
 
     async def _warm_up(self) -> None:
         """The decoder layers' compile, at start and beside the first batch's generation, not in step 1."""
-        if not self.trainer.compiles_layers:
+        if not self.trainer.warms_up:
             return
         post_notice(self.run_dir, "learner", "compiling the decoder layers, once, at start")
         t0 = time.perf_counter()

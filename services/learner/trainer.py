@@ -75,12 +75,17 @@ class PolicyTrainer:
         """Whether the policy's decoder layers are torch.compiled (decided when the model was built)."""
         return bool(getattr(self.model, "_rlbus_compiled_layers", False))
 
+    @property
+    def warms_up(self) -> bool:
+        """Whether `warm_up` compiles: the layers are compiled and this is a learner of one process (with
+        several ranks every rank would have to mirror it, so they compile on their first step instead)."""
+        return self.compiles_layers and self.par.world_size == 1
+
     def warm_up(self) -> bool:
         """Compile the decoder layers now, on a placeholder batch (gradients on, and off where the step takes
         an old-log-prob pass), so the first real step compiles nothing; the gradients are dropped, weights and
-        optimizer state untouched. A learner of several ranks compiles on its first step instead (every rank
-        would have to mirror this). Returns whether it compiled anything."""
-        if not self.compiles_layers or self.par.world_size > 1:
+        optimizer state untouched. Returns whether it compiled anything (`warms_up`)."""
+        if not self.warms_up:
             return False
         actor = self.cfg.actor
         batch = placeholder_batch(2, 16, self.cfg.rollout.temperature)
