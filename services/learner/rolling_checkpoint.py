@@ -6,8 +6,8 @@ JSON, the HF files, the COMPLETE marker, the rename) runs in a thread while the 
 them a little (the writer threads share the host). How often a step stages is a pure decision (`rolling_due`):
 when the last checkpoint's whole cost (its staging plus what the steps during its write took beyond a step
 without one), spread over the steps since, is within `trainer.rolling_checkpoint_budget` of a step's time
-(on an H100 at the 0.5B shape, staging alone was 3.5% of the steps and the write's slowdown another 1.7%). The tiny demo stages every
-step; a model whose staging costs 20% of a step stages every 4th. One process only: FSDP2 ranks save
+(on an H100 at the 0.5B shape, staging alone was 3.5% of the steps and the write's slowdown another 1.7%).
+The tiny demo stages every step; a model whose staging costs 20% of a step stages every 4th. One process only: FSDP2 ranks save
 collectively at save_freq (a background collective would race the training step's).
 """
 
@@ -182,7 +182,7 @@ class RollingCheckpointer:
     ) -> float:
         """Stage `step` when due and the last write is done (a step never waits for the disk), and start
         writing it; returns the seconds the step paid."""
-        # the writer thread's own flag: the task wrapping it completes only once the event loop turns
+        # the writer thread's own flag: the future wrapping it completes only once the event loop turns
         writing = self._writing is not None and not self._write_done.is_set()
         self.cost.step(step_s, writing)
         if writing or not self.cost.due(self.budget):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import CompileConfig, StaticCache
 
@@ -30,7 +31,7 @@ class Decoded:
     """Sampled tokens and their log-probs, [rows, steps] on the host (ended rows padded after their end)."""
 
     tokens: list[list[int]]
-    logprobs: Any  # numpy float32 [rows, steps]
+    logprobs: np.ndarray  # float32 [rows, steps]
 
 
 def pick_tokens(logits: torch.Tensor, sp: SamplingParams, banned: torch.Tensor | None) -> torch.Tensor:
