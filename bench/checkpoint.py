@@ -1,10 +1,10 @@
-"""What the rolling checkpoint costs a learner step (rlbus.learner.rolling_checkpoint), side by side in one run.
+"""What the learner's checkpoints after each step cost it, side by side in one run: the memory checkpoint of
+every step (rlbus.learner.memory_checkpoint) alone, and with the rolling disk one at `--budget`
+(rlbus.learner.rolling_checkpoint): the learner's default on a GPU.
 
 The same PolicyTrainer and batch as bench/learner.py (the 0.5B Qwen2 shape by default, `--tiny` for a toy):
-one checkpoint staged and written by hand (its sizes and seconds), then rounds of N plain steps and N steps
-with the learner's rolling checkpoint at `--budget` (staged to host memory when due, the previous write
-awaited first, the new one written in a background thread). Prints the mean step both ways, their ratio,
-and how many steps apart the checkpoints landed: at most that many steps a learner restart retrains.
+one disk checkpoint staged and written by hand (its size and seconds), then rounds of N plain steps and N
+steps of each side in turn. Prints each side's mean step against the plain one and their ratio.
 
     python bench/checkpoint.py                       # the 0.5B shape (on a GPU)
     python bench/checkpoint.py --tiny --device cpu   # smoke run
@@ -26,23 +26,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learner as bench_learner  # noqa: E402  (bench/learner.py: the model, batch and config builders)
 
 
-async def timed_steps(trainer, batch, steps: int, rolling=None) -> tuple[list[float], list[float]]:
-    """Seconds of each step (with the rolling checkpoint's share when `rolling`), and what each step paid it."""
-    paid: list[float] = []
+async def timed_steps(trainer, batch, steps: int, checkpoints=None) -> list[float]:
+    """Seconds of each step, with what the checkpoints took after it when given (a StepCheckpoints)."""
     times: list[float] = []
     for i in range(steps):
         t0 = time.perf_counter()
         trainer.train_step(batch)
         bench_learner._sync()
         step_s = time.perf_counter() - t0
-        if rolling is not None:
-            paid.append(await rolling.after_step(i + 1, step_s, trainer, lambda i=i: {"step": i + 1}, None))
+        if checkpoints is not None:
+            done = i + 1
+            await checkpoints.after_step(done, step_s, trainer, lambda done=done: {"step": done}, None, False)
         times.append(time.perf_counter() - t0)
-    return times, paid
+    return times
+
+
+def side_config(cfg, memory: bool, budget: float, shm: Path):
+    """The learner's config with one side's checkpoints: the memory one every step, the rolling one at budget."""
+    trainer_cfg = cfg.trainer.model_copy(
+        update={
+            "memory_checkpoint": "on" if memory else "off",
+            "memory_checkpoint_dir": shm,
+            "rolling_checkpoint_budget": budget,
+        }
+    )
+    return cfg.model_copy(update={"trainer": trainer_cfg})
 
 
 async def measure(args: argparse.Namespace) -> int:
-    from rlbus.learner.rolling_checkpoint import RollingCheckpointer, stage, write
+    from rlbus.learner.rolling_checkpoint import HostBuffers, stage, write
+    from rlbus.learner.step_checkpoints import StepCheckpoints
     from rlbus.learner.trainer import PolicyTrainer
     from rlbus.logs import get_logger
 
@@ -56,51 +69,70 @@ async def measure(args: argparse.Namespace) -> int:
         for _ in range(args.warmup):
             trainer.train_step(batch)
         bench_learner._sync()
-        rolling = RollingCheckpointer(
-            Path(tmp) / "ckpt", args.budget, 1, lambda step: False, get_logger("bench")
-        )
-        t0 = time.perf_counter()  # one checkpoint by hand: the host buffers exist, and what a write costs
-        staged = stage(Path(tmp) / "ckpt" / "step_0", trainer, {"step": 0}, None, rolling.host)
+        host = HostBuffers()
+        t0 = time.perf_counter()  # one disk checkpoint by hand: its size, and what staging and a write cost
+        staged = stage(Path(tmp) / "ckpt" / "step_0", trainer, {"step": 0}, None, host)
         first_stage_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        staged = stage(Path(tmp) / "ckpt" / "step_0", trainer, {"step": 0}, None, rolling.host)
+        staged = stage(Path(tmp) / "ckpt" / "step_0", trainer, {"step": 0}, None, host)
         stage_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         write(staged)
         write_s = time.perf_counter() - t0
-        state_gb = sum(t.numel() * t.element_size() for t in rolling.host._by_key.values()) / 1e9  # noqa: SLF001
+        state_gb = sum(t.numel() * t.element_size() for t in host._by_key.values()) / 1e9  # noqa: SLF001
+        del staged, host
         print(
-            f"{state_gb:.2f} GB of model and optimizer state: staging {stage_s:.3f} s (the first, allocating "
-            f"pinned buffers, {first_stage_s:.3f} s), writing {write_s:.2f} s in the background",
+            f"{state_gb:.2f} GB of model and optimizer state: staging on the step's thread {stage_s:.3f} s (the "
+            f"first, allocating pinned buffers, {first_stage_s:.3f} s), a disk write {write_s:.2f} s",
             flush=True,
         )
-        rows = []
-        for r in range(args.rounds):  # plain, then with the rolling checkpoint at the budget, in turn
-            plain, _ = await timed_steps(trainer, batch, args.steps)
-            written = rolling.written
-            with_ckpt, paid = await timed_steps(trainer, batch, args.steps, rolling)
-            await rolling.flush()
-            staged_n = sum(p > 0 for p in paid)
-            rows.append(
-                (statistics.mean(plain), statistics.mean(with_ckpt), staged_n, rolling.written - written)
-            )
+        log = get_logger("bench")
+        run_dir = Path(tmp) / "run"
+        sides = {
+            "memory": StepCheckpoints(
+                side_config(cfg, True, 0.0, args.shm), run_dir, trainer, lambda s: False, log
+            ),
+            "memory+rolling": StepCheckpoints(
+                side_config(cfg, True, args.budget, args.shm), run_dir / "both", trainer, lambda s: False, log
+            ),
+        }
+        means: dict[str, list[float]] = {"plain": [], **{name: [] for name in sides}}
+        try:
+            for name, side in sides.items():  # the slots exist before the clock starts (allocated once)
+                await timed_steps(trainer, batch, 2, side)
+                if side.memory is not None and side.memory.off_reason:
+                    print(f"{name}: off ({side.memory.off_reason})")
+                    return 1
+            for r in range(args.rounds):  # each side in turn, this many times
+                means["plain"].append(statistics.mean(await timed_steps(trainer, batch, args.steps)))
+                for name, side in sides.items():
+                    saved = side.memory.saved if side.memory else 0
+                    written = side.rolling.written if side.rolling else 0
+                    means[name].append(statistics.mean(await timed_steps(trainer, batch, args.steps, side)))
+                    await side.flush()
+                    saved = (side.memory.saved if side.memory else 0) - saved
+                    written = (side.rolling.written if side.rolling else 0) - written
+                    print(
+                        f"round {r + 1} {name}: mean step {means[name][-1]:.3f} s vs {means['plain'][-1]:.3f} "
+                        f"s plain ({saved} memory checkpoints, {written} disk ones in {args.steps} steps)",
+                        flush=True,
+                    )
+        finally:
+            for side in sides.values():
+                await side.finish()
+        plain_s = statistics.median(means["plain"])
+        print()
+        for name in sides:
+            side_s = statistics.median(means[name])
             print(
-                f"round {r + 1}: mean step {rows[-1][0]:.3f} s plain, {rows[-1][1]:.3f} s with the rolling "
-                f"checkpoint at budget {args.budget:g} ({staged_n} staged in {args.steps} steps, paying "
-                f"{', '.join(f'{p:.3f}' for p in paid if p > 0) or 'nothing'} s)",
-                flush=True,
+                f"{name}: median of the rounds' mean steps {side_s:.3f} s vs {plain_s:.3f} s plain: "
+                f"{side_s / plain_s:.3f}x ({(side_s - plain_s) / plain_s:+.1%})"
             )
-        plain_s = statistics.median(r[0] for r in rows)
-        ckpt_s = statistics.median(r[1] for r in rows)
-        staged_total = sum(r[2] for r in rows)
-        every = args.steps * args.rounds / max(staged_total, 1)
         print(
-            f"\nrolling checkpoint at trainer.rolling_checkpoint_budget={args.budget:g}: mean step {plain_s:.3f} s "
-            f"plain, {ckpt_s:.3f} s with it: {ckpt_s / plain_s:.3f}x ({(ckpt_s - plain_s) / plain_s:+.1%}); "
-            f"one every {every:.1f} steps, so a learner restart retrains at most about that many; staging alone "
-            f"is {stage_s / plain_s:.1%} of a step, the write {write_s / plain_s:.1f} steps long"
+            "memory: a learner restart (its process killed) resumes from its last step or the one before; "
+            f"staging the same state on the step's thread would be {stage_s / plain_s:.1%} of a step"
         )
-        return 0 if math.isfinite(ckpt_s / plain_s) else 1
+        return 0 if math.isfinite(plain_s) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="timed steps per side and round")
     p.add_argument("--rounds", type=int, default=3, help="plain then checkpointed, this many times in turn")
     p.add_argument("--budget", type=float, default=0.05, help="trainer.rolling_checkpoint_budget")
-    p.add_argument("--dir", default=None, help="where the checkpoints are written (a temporary folder)")
+    p.add_argument("--dir", default=None, help="where the disk checkpoints are written (a temporary folder)")
+    p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="trainer.memory_checkpoint_dir")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")

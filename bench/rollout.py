@@ -152,6 +152,8 @@ def bench_engine(
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "mean_len": tokens / max(1, args.batches * len(prompts) * args.n),
         }
+        if args.profile:
+            row["profiled_batch_s"] = profile_batch(engine, requests)
         if args.pushes > 0:
             row.update(bench_push(engine, model_dir, args.pushes))
         return row
@@ -159,6 +161,27 @@ def bench_engine(
         engine.close()
         del engine
         gc.collect()
+
+
+def profile_batch(engine: Any, requests: list[Any]) -> float:
+    """One more batch under torch.profiler: prints the kernels and host ops that take its time (where a
+    decode step goes), and returns the batch's wall seconds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.generate(requests)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"   profiled batch: {seconds:.3f} s wall", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=70), flush=True)
+    return seconds
 
 
 def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:
@@ -237,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu", help="hf engine device")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more batch per engine (torch.profiler)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 

@@ -21,6 +21,7 @@ import torch
 from e2e_utils import Run, make_config
 
 from rlbus.learner.checkpoint import SUPERSEDED_METRICS, checkpoint_root, checkpoint_step, latest_checkpoint
+from rlbus.learner.memory_checkpoint import default_directory, find_memory_checkpoint
 
 STEPS, SAVE_FREQ, BATCH = 8, 3, 4
 COMMON = [
@@ -93,22 +94,34 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("rolling", [False, True], ids=["save_freq", "rolling"])
+@pytest.mark.parametrize("mode", ["save_freq", "rolling", "memory"])
 def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
-    nats_url: str, run_id: str, tmp_path: Path, rolling: bool
+    nats_url: str, run_id: str, tmp_path: Path, mode: str
 ) -> None:
-    """From a save_freq checkpoint, or from the rolling one of the newest step (written in the background,
-    rlbus.learner.rolling_checkpoint): either way the resumed run ends with the uninterrupted run's weights."""
+    """From a save_freq checkpoint, from the rolling one of the newest step (written in the background,
+    rlbus.learner.rolling_checkpoint), or from the memory one of every step (rlbus.learner.memory_checkpoint):
+    each way the resumed run ends with the uninterrupted run's weights."""
     t0 = time.monotonic()
     run_b = f"{run_id}b"
-    common = [*COMMON, f"trainer.rolling_checkpoint_budget={0.05 if rolling else 0}"]
+    shm = tmp_path / "shm"
+    common = [
+        *COMMON,
+        f"trainer.rolling_checkpoint_budget={0.05 if mode == 'rolling' else 0}",
+        f"trainer.memory_checkpoint={'on' if mode == 'memory' else 'off'}",
+        f"trainer.memory_checkpoint_dir={shm}",
+    ]
     try:  # A (uninterrupted) and B (killed, resumed) side by side: they share nothing but the NATS server
         with (
             Run(make_config(nats_url, run_id, tmp_path, common)) as a,
             Run(make_config(nats_url, run_b, tmp_path, common)) as b,
         ):
             saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir))
-            if rolling:  # the step in flight is all a restart redoes (or two, when the kill hit a write)
+            if mode == "memory":  # the step whose row was logged, or the one before (killed in between)
+                saved = find_memory_checkpoint(default_directory(shm, b.run_dir, run_b), b.run_dir).step
+                assert 0 <= done_at_kill - saved <= 1, (saved, done_at_kill)
+            elif (
+                mode == "rolling"
+            ):  # the step in flight is all a restart redoes (or two: the kill hit a write)
                 assert 1 <= done_at_kill - saved <= 2, (saved, done_at_kill)
             else:
                 assert saved in (SAVE_FREQ, 2 * SAVE_FREQ) and done_at_kill > saved
@@ -126,10 +139,11 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
     # Every step exactly once in metrics.jsonl; the crashed attempt's later rows were moved aside.
     rows_b, rows_a = _train_rows(b), _train_rows(a)
     assert [r["step"] for r in rows_b] == list(range(1, STEPS + 1))
-    superseded = [
-        json.loads(line)["step"] for line in (b.run_dir / SUPERSEDED_METRICS).read_text().splitlines()
-    ]
-    assert [s for s in superseded] == list(range(saved + 1, done_at_kill + 1))
+    moved = b.run_dir / SUPERSEDED_METRICS  # none when the kill lost no step
+    superseded = (
+        [json.loads(line)["step"] for line in moved.read_text().splitlines()] if moved.exists() else []
+    )
+    assert superseded == list(range(saved + 1, done_at_kill + 1))
     assert rows_b[saved]["time"] > rows_b[saved - 1]["time"]
     # Same data order: the same data indices trained in each step; none twice.
     ledger_a, ledger_b = a.ledger(), b.ledger()
@@ -154,6 +168,7 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
         "training moved the weights"
     )
     assert sorted(p.name for p in checkpoint_root(b.run_dir).iterdir()) == ["global_step_6", "global_step_8"]
+    assert not any(shm.glob("rlbus-*")), "a finished run leaves its memory slots behind"
     print(
         f"\nboth runs {t_total:.0f}s, killed after step {done_at_kill} "
         f"(checkpoint {saved}), max weight diff {worst:.2e}, leftovers acked {ledger_b.get('leftovers')}"

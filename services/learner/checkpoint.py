@@ -394,20 +394,29 @@ def load_checkpoint(path: str | os.PathLike, trainer: Any, restore_rng: bool = T
             model_state_dict=c_state["model"],
             optim_state_dict=c_state["optim"],
         )
-        if "critic_scheduler" in tstate:
-            critic.scheduler.load_state_dict(tstate["critic_scheduler"])
+    rng = None
+    if restore_rng:
+        rng_file = path / f"rng_rank{_rank()}.json"
+        if not rng_file.is_file():
+            rng_file = path / "rng_rank0.json"
+        rng = json.loads(rng_file.read_text())
+    restore_trainer_state(trainer, tstate, rng)
+    return meta.get("extra", {})
+
+
+def restore_trainer_state(trainer: Any, tstate: dict[str, Any], rng: dict[str, Any] | None) -> None:
+    """What meta.json's "trainer" holds (schedulers, KL controller) and the RNG states, back into `trainer`."""
+    critic = getattr(trainer, "critic", None)
+    if critic is not None and "critic_scheduler" in tstate:
+        critic.scheduler.load_state_dict(tstate["critic_scheduler"])
     sched = getattr(trainer, "scheduler", None)
     if sched is not None and "scheduler" in tstate:
         sched.load_state_dict(tstate["scheduler"])
     kl = getattr(trainer, "kl_ctrl", None)
     if kl is not None and "kl_coef" in tstate:
         kl.value = float(tstate["kl_coef"])
-    if restore_rng:
-        rng_file = path / f"rng_rank{_rank()}.json"
-        if not rng_file.is_file():
-            rng_file = path / "rng_rank0.json"
-        set_rng_state(json.loads(rng_file.read_text()))
-    return meta.get("extra", {})
+    if rng is not None:
+        set_rng_state(rng)
 
 
 def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:

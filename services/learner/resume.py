@@ -13,6 +13,7 @@ from rlbus.bus import Stage
 from rlbus.bus.state import ANNOUNCE_KEY
 from rlbus.learner.checkpoint import load_checkpoint, rewind_metrics
 from rlbus.learner.dispatch import Ledger
+from rlbus.learner.memory_checkpoint import MemoryCheckpoint, load_memory_checkpoint
 from rlbus.messages import WeightAnnouncement, decode
 from rlbus.service import ServiceContext
 
@@ -76,11 +77,14 @@ class Restored:
     redispatch: list  # prompts the dead attempt had in flight: dispatched again
 
 
-async def restore(trainer: Any, loader: Any, path: Path, run_dir: Path) -> Restored:
+async def restore(trainer: Any, loader: Any, source: Path | MemoryCheckpoint, run_dir: Path) -> Restored:
     """Model and optimiser into `trainer`, the data position into `loader`; the rest is returned. The work
     the dead attempt had in flight is settled as resumed and handed back for re-dispatch."""
-    trainer.par.lead_call("load_checkpoint", path=str(path))  # FSDP ranks > 0 load alongside
-    extra = await asyncio.to_thread(load_checkpoint, path, trainer)
+    if isinstance(source, MemoryCheckpoint):  # one learner process wrote it: no other rank to lead
+        extra = await asyncio.to_thread(load_memory_checkpoint, source, trainer)
+    else:
+        trainer.par.lead_call("load_checkpoint", path=str(source))  # FSDP ranks > 0 load alongside
+        extra = await asyncio.to_thread(load_checkpoint, source, trainer)
     loader.load_state_dict(extra["loader"])
     ledger = Ledger.from_dict(extra["ledger"])
     restored = Restored(int(extra["step"]), int(extra["policy_version"]), ledger, ledger.settle_for_resume())

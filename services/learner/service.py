@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import resume_target
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
+from rlbus.learner.memory_checkpoint import MemoryCheckpoint
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
+from rlbus.learner.step_checkpoints import StepCheckpoints, resume_source
 from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, run_counters
 from rlbus.messages import ReadyGroup
 from rlbus.notices import post_notice
@@ -43,10 +46,10 @@ class Learner:
         self.version = 0
         self.start_step = 0  # training steps already done (a resumed checkpoint's step)
         self.attempt = 0  # learner starts of this run id before this one
-        self.resumed_from: Path | None = None
+        self.resumed_from: Path | MemoryCheckpoint | None = None
         self.trajectory_log: TrajectoryLog | None = None  # bus.trajectory_log
         self.forced_push_at = 0.0
-        self.rolling = None  # the rolling checkpointer, once set up (rlbus.learner.rolling_checkpoint)
+        self.checkpoints: StepCheckpoints | None = None  # memory and rolling ones, once set up
 
     async def setup(self) -> None:
         from rlbus.learner.data import PromptLoader, check_scorers, prepared_split
@@ -65,8 +68,10 @@ class Learner:
         for warning in inert_key_warnings(cfg):
             self.ctx.log.warning("config key has no effect", detail=warning)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.resumed_from = resume_target(
-            self.run_dir, cfg.trainer.resume_mode, self.ctx.log, cfg.trainer.default_local_dir
+        self.resumed_from = resume_source(
+            cfg,
+            self.run_dir,
+            resume_target(self.run_dir, cfg.trainer.resume_mode, self.ctx.log, cfg.trainer.default_local_dir),
         )
         attempt = await prepare_bus(self.ctx, fresh=self.resumed_from is None)
         self.attempt = attempt.number
@@ -112,7 +117,7 @@ class Learner:
                 self.ctx.bus, cfg.bus.trajectory_log_max_age_h, cfg.bus.trajectory_log_max_gb
             )
             await self.trajectory_log.ensure()
-        self.rolling = self._rolling()
+        self.checkpoints = StepCheckpoints(cfg, self.run_dir, self.trainer, self._should_save, self.ctx.log)
         await self.ctx.bus.nc.subscribe(self.ctx.bus.names.dlq_wildcard, cb=self._on_dead_letter)
         await self.ctx.state.set_policy_version(self.version)
         self.ctx.policy_version = self.version
@@ -122,9 +127,13 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoints and resume
 
-    async def _restore(self, path: Path) -> None:
+    async def _restore(self, path: Path | MemoryCheckpoint) -> None:
         t0 = time.perf_counter()
-        if self.cfg.trainer.resume_mode == "auto" and self.trainer.par.world_size > 1:
+        if (
+            isinstance(path, Path)
+            and self.cfg.trainer.resume_mode == "auto"
+            and self.trainer.par.world_size > 1
+        ):
             path = await self._common_checkpoint(path)
         restored = await restore(self.trainer, self.loader, path, self.run_dir)
         self.start_step, self.version, self.ledger = restored.step, restored.version, restored.ledger
@@ -189,26 +198,13 @@ class Learner:
             "run_id": self.cfg.run.id,
         }
 
-    def _rolling(self):
-        """The rolling checkpointer (rlbus.learner.rolling_checkpoint), or None when off or FSDP2 ranks."""
-        from rlbus.learner.checkpoint import checkpoint_root
-        from rlbus.learner.rolling_checkpoint import RollingCheckpointer
-
-        cfg = self.cfg.trainer
-        if cfg.rolling_checkpoint_budget <= 0 or self.trainer.par.world_size > 1:
-            return None
-        root = checkpoint_root(self.run_dir, cfg.default_local_dir)
-        return RollingCheckpointer(
-            root, cfg.rolling_checkpoint_budget, cfg.max_ckpt_to_keep, self._should_save, self.ctx.log
-        )
-
     async def checkpoint(self, done: int) -> Path:
         from rlbus.learner.checkpoint import checkpoint_root, prune_checkpoints, save_checkpoint, step_dir
 
         extra = self._checkpoint_extra(done)
         root = checkpoint_root(self.run_dir, self.cfg.trainer.default_local_dir)
-        if self.rolling is not None:
-            await self.rolling.flush()  # no rolling write beside the kept one (or the prune)
+        if self.checkpoints is not None:
+            await self.checkpoints.flush()  # no rolling write beside the kept one (or the prune)
         t0 = time.perf_counter()
         self.trainer.par.lead_call(  # ranks > 0 save alongside (and prune a folder of their own)
             "save_checkpoint", path=str(step_dir(root, done)), keep=self.cfg.trainer.max_ckpt_to_keep
@@ -322,16 +318,17 @@ class Learner:
             if time.monotonic() - ledger_saved >= LEDGER_SAVE_EVERY_S:
                 self.ledger.save(ledger_path)
                 ledger_saved = time.monotonic()
-            if self._should_save(step + 1):
-                await self.checkpoint(step + 1)
-            elif self.rolling is not None:
-                done = step + 1
-                await self.rolling.after_step(
+            done = step + 1
+            if kept := self._should_save(done):
+                await self.checkpoint(done)
+            if self.checkpoints is not None:
+                await self.checkpoints.after_step(
                     done,
                     t_pushed - t_step,
                     self.trainer,
-                    lambda done=done: self._checkpoint_extra(done),
+                    functools.partial(self._checkpoint_extra, done),
                     self.tokenizer,
+                    kept,
                 )
         await self._finish(ledger_path)
         return 0
@@ -393,8 +390,8 @@ class Learner:
                 {"policy/version": float(self.version), **self.gatherer.validation_metrics()},
             )
         await self.drain()
-        if self.rolling is not None:
-            await self.rolling.flush()
+        if self.checkpoints is not None:
+            await self.checkpoints.finish()
         self.ledger.save(ledger_path)
         self.writer.close()
         self.pusher.close()
@@ -407,7 +404,7 @@ class Learner:
             self.version,
             tokens,
             tokens_per_s,
-            self.rolling,
+            self.checkpoints,
         ) | {"bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0))}
 
     async def validate_only(self) -> int:

@@ -19,7 +19,8 @@ class PushCounters(Protocol):
 
 
 class RollingCounters(Protocol):
-    staged_total_s: float
+    @property
+    def staged_total_s(self) -> float: ...
 
 
 def run_counters(

@@ -198,6 +198,16 @@ class TrainerConfig(Section):
         "background, so a learner restart retrains about one step: it stages whenever its cost stays within "
         "this fraction of a step's time (0 = off; one learner process only; save_freq's are the kept ones)",
     )
+    memory_checkpoint: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="every step's model and optimizer state also copied to shared memory (two slots in "
+        "memory_checkpoint_dir, on a side stream beside the next step), so a killed learner process resumes "
+        "from its last step or the one before; auto = on for one learner process on a GPU, when two copies "
+        "fit in the folder's filesystem",
+    )
+    memory_checkpoint_dir: Path = Field(
+        Path("/dev/shm"), description="tmpfs folder of the memory checkpoint (a folder per run is made in it)"
+    )
     seed: int = Field(0, description="seed of model initialisation and training")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the learner trains: auto picks a GPU when there is one"
@@ -233,6 +243,12 @@ class TrainerConfig(Section):
         None,
         description="write every trained sample of step N to <dir>/N.jsonl (verl's key; relative to the cwd)",
     )
+
+    @field_validator("memory_checkpoint", mode="before")
+    @classmethod
+    def _on_off_words(cls, value: object) -> object:
+        """`on`/`off` on a command line read as YAML booleans."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("logger", mode="before")
     @classmethod

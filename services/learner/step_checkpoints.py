@@ -1,0 +1,111 @@
+"""What the learner saves after each step besides save_freq's kept checkpoints, and which saved step a new
+learner process resumes: the memory checkpoint (every step, rlbus.learner.memory_checkpoint) and the rolling
+disk checkpoint (within its budget, rlbus.learner.rolling_checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlbus.config import RlbusConfig
+from rlbus.learner.checkpoint import checkpoint_root, checkpoint_step
+from rlbus.learner.memory_checkpoint import (
+    MemoryCheckpoint,
+    MemoryCheckpointer,
+    default_directory,
+    find_memory_checkpoint,
+)
+from rlbus.learner.rolling_checkpoint import RollingCheckpointer
+
+
+def memory_wanted(mode: str, on_gpu: bool, world: int) -> bool:
+    """trainer.memory_checkpoint: auto = one learner process on a GPU (on a CPU a step's state is small and
+    the rolling disk checkpoint stages every step already)."""
+    return world == 1 and (mode == "on" or (mode == "auto" and on_gpu))
+
+
+def newest(disk: Path | None, memory: MemoryCheckpoint | None) -> Path | MemoryCheckpoint | None:
+    """The later of the disk checkpoint and the memory one (disk on a tie: it survives more)."""
+    if memory is None or (disk is not None and checkpoint_step(disk) >= memory.step):
+        return disk
+    return memory
+
+
+def memory_directory(cfg: RlbusConfig, run_dir: Path) -> Path:
+    return default_directory(cfg.trainer.memory_checkpoint_dir, run_dir, cfg.run.id)
+
+
+def resume_source(cfg: RlbusConfig, run_dir: Path, disk: Path | None) -> Path | MemoryCheckpoint | None:
+    """What a learner start resumes: `disk` (resume_target's pick), or a newer memory checkpoint of this run
+    under resume_mode=auto. A start that resumes nothing removes this run dir's slots (another history's)."""
+    memory = None
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if cfg.trainer.resume_mode == "auto" and cfg.trainer.memory_checkpoint != "off" and single:
+        memory = find_memory_checkpoint(memory_directory(cfg, run_dir), run_dir)
+    source = newest(disk, memory)
+    if source is None:
+        shutil.rmtree(memory_directory(cfg, run_dir), ignore_errors=True)
+    return source
+
+
+class StepCheckpoints:
+    """The memory and rolling checkpoints of one learner process: called after every step."""
+
+    def __init__(
+        self, cfg: RlbusConfig, run_dir: Path, trainer: Any, is_kept: Callable[[int], bool], log: Any
+    ):
+        tcfg = cfg.trainer
+        single = trainer.par.world_size == 1
+        on_gpu = next(trainer.model.parameters()).is_cuda
+        self.memory = (
+            MemoryCheckpointer(memory_directory(cfg, run_dir), trainer, run_dir, log)
+            if memory_wanted(tcfg.memory_checkpoint, on_gpu, trainer.par.world_size)
+            else None
+        )
+        self.rolling = (
+            RollingCheckpointer(
+                checkpoint_root(run_dir, tcfg.default_local_dir),
+                tcfg.rolling_checkpoint_budget,
+                tcfg.max_ckpt_to_keep,
+                is_kept,
+                log,
+            )
+            if tcfg.rolling_checkpoint_budget > 0 and single
+            else None
+        )
+
+    @property
+    def staged_total_s(self) -> float:
+        """Seconds the steps paid for both (for metrics)."""
+        return (self.rolling.staged_total_s if self.rolling else 0.0) + (
+            self.memory.paid_s if self.memory else 0.0
+        )
+
+    async def after_step(
+        self,
+        done: int,
+        step_s: float,
+        trainer: Any,
+        extra: Callable[[], dict[str, Any]],
+        tokenizer: Any,
+        kept: bool,
+    ) -> None:
+        """`done` steps trained; `kept`: save_freq's checkpoint of it was just written (no rolling one then)."""
+        if self.memory is not None:
+            self.memory.after_step(done, extra)
+        if self.rolling is not None and not kept:
+            await self.rolling.after_step(done, step_s, trainer, extra, tokenizer)
+
+    async def flush(self) -> None:
+        """Before a kept save: no rolling write beside it (nor beside its prune)."""
+        if self.rolling is not None:
+            await self.rolling.flush()
+
+    async def finish(self) -> None:
+        """The run is over: the rolling write awaited, the memory slots removed (nothing left to resume)."""
+        await self.flush()
+        if self.memory is not None:
+            self.memory.close(remove=True)

@@ -1,0 +1,160 @@
+"""The per-step memory checkpoint (rlbus.learner.memory_checkpoint): what a slot holds comes back exactly, a
+slot is named resumable only once whole and the named one is never the next one overwritten, another
+history's slots are never resumed, and a state that does not fit turns it off with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlbus.learner.memory_checkpoint import (
+    MARKER,
+    TOKEN_FILE,
+    MemoryCheckpoint,
+    MemoryCheckpointer,
+    find_memory_checkpoint,
+    load_memory_checkpoint,
+    tmpfs_room,
+)
+from rlbus.learner.optim import MasterWeightAdamW
+from rlbus.learner.step_checkpoints import memory_wanted, newest
+
+
+class Log:
+    def __init__(self) -> None:
+        self.warnings: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw: object) -> None:
+        self.warnings.append((event, kw))
+
+
+def make_trainer(seed: int) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
+        torch.bfloat16
+    )
+    optimizer = MasterWeightAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    return SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def train_step(trainer: SimpleNamespace) -> None:
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    trainer.model(x).float().pow(2).mean().backward()
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    trainer.scheduler.step()
+
+
+def optimizer_tensors(trainer: SimpleNamespace) -> list[torch.Tensor]:
+    return [v for p in trainer.model.parameters() for v in trainer.optimizer.state[p].values()]
+
+
+def test_a_resumed_trainer_holds_exactly_the_saved_step(tmp_path: Path) -> None:
+    run_dir, slots = tmp_path / "run", tmp_path / "shm"
+    trainer = make_trainer(0)
+    saver = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    for step in range(1, 4):
+        train_step(trainer)
+        saver.after_step(step, lambda step=step: {"step": step, "loader": {"position": step * 4}})
+    rng_at_save = torch.get_rng_state()
+    found = find_memory_checkpoint(slots, run_dir)
+    assert found is not None and found.step == 3  # a CPU copy is named resumable at once
+
+    other = make_trainer(1)
+    train_step(other)  # optimizer state exists, and differs
+    extra = load_memory_checkpoint(found, other)
+    assert extra == {"step": 3, "loader": {"position": 12}}
+    for a, b in zip(trainer.model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(optimizer_tensors(trainer), optimizer_tensors(other), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)  # the fp32 master weights stay fp32
+    assert other.optimizer.param_groups[0]["lr"] == trainer.optimizer.param_groups[0]["lr"]
+    assert other.scheduler.last_epoch == trainer.scheduler.last_epoch == 3
+    train_step(trainer)  # draws from the RNG
+    load_memory_checkpoint(found, other)
+    assert torch.equal(torch.get_rng_state(), rng_at_save)  # the RNG states came back too
+    saver.close(remove=True)
+    assert not slots.exists()
+
+
+def test_the_named_slot_is_never_the_next_one_written(tmp_path: Path) -> None:
+    run_dir, slots = tmp_path / "run", tmp_path / "shm"
+    trainer = make_trainer(0)
+    saver = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    named = []
+    for step in range(1, 5):
+        train_step(trainer)
+        saver.after_step(step, lambda step=step: {"step": step})
+        named.append(json.loads((slots / MARKER).read_text())["slot"])
+    assert named == [0, 1, 0, 1]
+    saver.close(remove=False)
+    # a new process of the same run (a restart) writes first into the slot latest.json does not name
+    again = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    train_step(trainer)
+    again.after_step(5, lambda: {"step": 5})
+    assert json.loads((slots / MARKER).read_text())["slot"] == 0
+
+
+def test_slots_of_another_history_are_not_resumed(tmp_path: Path) -> None:
+    run_dir, slots = tmp_path / "run", tmp_path / "shm"
+    trainer = make_trainer(0)
+    saver = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    train_step(trainer)
+    saver.after_step(1, lambda: {"step": 1})
+    assert find_memory_checkpoint(slots, run_dir) is not None
+    (run_dir / TOKEN_FILE).unlink()  # the run dir was removed and made again: a new history
+    assert find_memory_checkpoint(slots, run_dir) is None
+    assert find_memory_checkpoint(tmp_path / "elsewhere", run_dir) is None
+
+
+def test_a_state_that_does_not_fit_turns_it_off_with_the_reason(tmp_path: Path) -> None:
+    assert tmpfs_room(tmp_path, 10**18) is not None and "needs" in str(tmpfs_room(tmp_path, 10**18))
+    assert tmpfs_room(tmp_path / "not" / "made", 1024) is None
+
+
+@pytest.mark.gpu
+def test_the_copy_on_a_gpu_waits_only_in_the_next_optimizer_step(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("the side-stream copy needs a GPU (the CPU path copies in place, tested above)")
+    trainer = make_trainer(0)
+    trainer.model.cuda()
+    trainer.optimizer = MasterWeightAdamW(trainer.model.parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    saver = MemoryCheckpointer(tmp_path / "shm", trainer, tmp_path / "run", Log())
+
+    def step() -> None:
+        x = torch.randn(5, 8, dtype=torch.bfloat16, device="cuda")
+        trainer.model(x).float().pow(2).mean().backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+
+    step()
+    saver.after_step(1, lambda: {"step": 1})
+    expected = [p.detach().cpu().clone() for p in trainer.model.parameters()]
+    step()  # changes the weights only after the copy read them
+    saver.after_step(2, lambda: {"step": 2})  # names step 1's slot
+    found = find_memory_checkpoint(tmp_path / "shm", tmp_path / "run")
+    assert found is not None and found.step == 1
+    other = make_trainer(1)
+    other.model.cuda()
+    other.optimizer = MasterWeightAdamW(other.model.parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.0)
+    load_memory_checkpoint(found, other)
+    for a, b in zip(expected, other.model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
+    saver.close(remove=True)
+
+
+def test_which_checkpoint_a_start_resumes(tmp_path: Path) -> None:
+    disk = tmp_path / "global_step_6"
+    memory = MemoryCheckpoint(tmp_path, 7, {})
+    assert newest(disk, memory) is memory
+    assert newest(disk, MemoryCheckpoint(tmp_path, 6, {})) == disk  # a tie: the disk one survives more
+    assert newest(None, memory) is memory and newest(disk, None) == disk and newest(None, None) is None
+    assert memory_wanted("auto", on_gpu=True, world=1) and not memory_wanted("auto", on_gpu=False, world=1)
+    assert memory_wanted("on", on_gpu=False, world=1) and not memory_wanted("on", on_gpu=True, world=2)
+    assert not memory_wanted("off", on_gpu=True, world=1)
