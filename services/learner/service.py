@@ -334,15 +334,14 @@ class Learner:
         return 0
 
     async def _warm_up(self) -> None:
-        """The decoder layers' compile, at start and beside the first batch's generation, not in step 1."""
+        """The learner's compile, at start and beside the first batch's generation, not in step 1."""
         if not self.trainer.warms_up:
             return
-        post_notice(self.run_dir, "learner", "compiling the decoder layers, once, at start")
+        what = "decoder layers and log-prob kernels" if self.trainer.compiles_layers else "log-prob kernels"
+        post_notice(self.run_dir, "learner", f"compiling the {what}, once, at start")
         t0 = time.perf_counter()
         if await asyncio.to_thread(self.trainer.warm_up):
-            post_notice(
-                self.run_dir, "learner", f"decoder layers compiled in {time.perf_counter() - t0:.1f} s"
-            )
+            post_notice(self.run_dir, "learner", f"{what} compiled in {time.perf_counter() - t0:.1f} s")
 
     async def _train(self, step: int, batch) -> dict[str, float]:
         """One update, off the event loop, after the warm-up; a step that compiled graphs says so on the

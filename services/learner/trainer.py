@@ -77,12 +77,13 @@ class PolicyTrainer:
 
     @property
     def warms_up(self) -> bool:
-        """Whether `warm_up` compiles: the layers are compiled and this is a learner of one process (with
-        several ranks every rank would have to mirror it, so they compile on their first step instead)."""
-        return self.compiles_layers and self.par.world_size == 1
+        """Whether `warm_up` compiles: the layers are compiled, or the log-prob kernels are (on a GPU,
+        rlbus.chunked_logprobs: 10 s on an H100 even for the demo model), and this is a learner of one process
+        (with several ranks every rank would have to mirror it, so they compile on their first step instead)."""
+        return (self.compiles_layers or self.device.type == "cuda") and self.par.world_size == 1
 
     def warm_up(self) -> bool:
-        """Compile the decoder layers now, on a placeholder batch (gradients on, and off where the step takes
+        """Compile the decoder layers and log-prob kernels now, on a placeholder batch (gradients on, and off where the step takes
         an old-log-prob pass), so the first real step compiles nothing; the gradients are dropped, weights and
         optimizer state untouched. Returns whether it compiled anything (`warms_up`)."""
         if not self.warms_up:
