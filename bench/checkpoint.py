@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learner as bench_learner  # noqa: E402  (bench/learner.py: the model, batch and config builders)
 
 
-async def timed_steps(trainer, batch, steps: int, checkpoints=None) -> list[float]:
-    """Seconds of each step, with what the checkpoints took after it when given (a StepCheckpoints)."""
+async def timed_steps(trainer, batch, steps: int, checkpoints=None, splits=None) -> list[float]:
+    """Seconds of each step, with what the checkpoints took after it when given (a StepCheckpoints); the
+    memory checkpoint's split of each step goes to `splits`."""
     times: list[float] = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -37,6 +38,8 @@ async def timed_steps(trainer, batch, steps: int, checkpoints=None) -> list[floa
         if checkpoints is not None:
             done = i + 1
             await checkpoints.after_step(done, step_s, trainer, lambda done=done: {"step": done}, None, False)
+            if splits is not None and checkpoints.memory is not None:
+                splits.append(dict(checkpoints.memory.split))
         times.append(time.perf_counter() - t0)
     return times
 
@@ -97,6 +100,7 @@ async def measure(args: argparse.Namespace) -> int:
             ),
         }
         means: dict[str, list[float]] = {"plain": [], **{name: [] for name in sides}}
+        splits: list[dict[str, float]] = []
         try:
             for name, side in sides.items():  # the slots exist before the clock starts (allocated once)
                 await timed_steps(trainer, batch, 2, side)
@@ -108,7 +112,10 @@ async def measure(args: argparse.Namespace) -> int:
                 for name, side in sides.items():
                     saved = side.memory.saved if side.memory else 0
                     written = side.rolling.written if side.rolling else 0
-                    means[name].append(statistics.mean(await timed_steps(trainer, batch, args.steps, side)))
+                    times = await timed_steps(
+                        trainer, batch, args.steps, side, splits if name == "memory" else None
+                    )
+                    means[name].append(statistics.mean(times))
                     await side.flush()
                     saved = (side.memory.saved if side.memory else 0) - saved
                     written = (side.rolling.written if side.rolling else 0) - written
@@ -128,6 +135,12 @@ async def measure(args: argparse.Namespace) -> int:
                 f"{name}: median of the rounds' mean steps {side_s:.3f} s vs {plain_s:.3f} s plain: "
                 f"{side_s / plain_s:.3f}x ({(side_s - plain_s) / plain_s:+.1%})"
             )
+        memory = sides["memory"].memory
+        if splits and memory is not None:
+            parts = ", ".join(
+                f"{k} {statistics.mean(d.get(k, 0.0) for d in splits) * 1e3:.1f} ms" for k in splits[-1]
+            )
+            print(f"memory: per step {parts}; slots pinned: {memory.pinned}")
         print(
             "memory: a learner restart (its process killed) resumes from its last step or the one before; "
             f"staging the same state on the step's thread would be {stage_s / plain_s:.1%} of a step"

@@ -18,8 +18,8 @@ from rlbus.learner.memory_checkpoint import (
     MemoryCheckpointer,
     find_memory_checkpoint,
     load_memory_checkpoint,
-    tmpfs_room,
 )
+from rlbus.learner.memory_slots import PackedCopy, Slot, plan_chunks, plan_layout, tmpfs_room
 from rlbus.learner.optim import MasterWeightAdamW
 from rlbus.learner.step_checkpoints import memory_wanted, newest
 
@@ -110,6 +110,30 @@ def test_slots_of_another_history_are_not_resumed(tmp_path: Path) -> None:
     (run_dir / TOKEN_FILE).unlink()  # the run dir was removed and made again: a new history
     assert find_memory_checkpoint(slots, run_dir) is None
     assert find_memory_checkpoint(tmp_path / "elsewhere", run_dir) is None
+
+
+def test_tensors_are_packed_in_chunks_and_land_where_the_layout_says(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tensors = [
+        torch.randn(3, 5),  # 60 bytes
+        torch.randn(7).to(torch.bfloat16),
+        torch.arange(40, dtype=torch.int64),  # 320 bytes: larger than the chunk, copied on its own
+        torch.randn(2, 2).double(),
+        torch.tensor(3.0),
+    ]
+    entries, size = plan_layout([(f"t{i}", t) for i, t in enumerate(tensors)])
+    groups = plan_chunks(entries, chunk=256)
+    assert groups == [[0, 1], [2], [3, 4]]
+    assert all(
+        entries[g[-1]].offset + entries[g[-1]].nbytes - entries[g[0]].offset <= 256
+        for g in groups
+        if len(g) > 1
+    )
+    slot = Slot(tmp_path / "slot.bin", size, entries, pin=False)
+    PackedCopy(entries, tensors, torch.device("cpu"), chunk=256).copy_into(slot)
+    for entry, tensor in zip(entries, tensors, strict=True):
+        assert torch.equal(slot.views[entry.key], tensor)
+    assert (tmp_path / "slot.bin").stat().st_size == size and size % (2 << 20) == 0
 
 
 def test_a_state_that_does_not_fit_turns_it_off_with_the_reason(tmp_path: Path) -> None:

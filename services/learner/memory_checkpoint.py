@@ -31,14 +31,14 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from rlbus.learner.checkpoint import CheckpointError, checkpoint_meta, restore_trainer_state
+from rlbus.learner.memory_slots import ALIGN, Entry, PackedCopy, Slot, plan_layout, tmpfs_room, view_of
 from rlbus.learner.rng_state import rng_state
 
 MARKER = "latest.json"  # names the slot that holds a whole step
 LAYOUT = "layout.json"  # where each tensor lies in a slot (written once per process, with the slots)
 TOKEN_FILE = "memory_checkpoint.json"  # in the run dir: which memory checkpoint belongs to this run's history
-ALIGN = 64  # bytes: each tensor's offset in a slot, so every dtype can view its bytes
-FREE_AFTER = 0.10  # share of the tmpfs left free (NCCL and data loaders use /dev/shm too)
 FORMAT = 1
+RECHECK_EVERY = 100  # steps between checks that the state's tensors are still the ones being copied
 
 
 def default_directory(root: Path, run_dir: Path, run_id: str) -> Path:
@@ -61,69 +61,27 @@ def state_tree(trainer: Any) -> dict[str, Any]:
     return tree
 
 
-@dataclass(frozen=True)
-class Entry:
-    """Where one tensor of the state lies in a slot."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+def optimizers(trainer: Any) -> list[Any]:
+    """The policy's optimizer, and the critic's (PPO)."""
+    critic = getattr(trainer, "critic", None)
+    return [trainer.optimizer] + ([critic.optimizer] if critic is not None else [])
 
 
-def plan_layout(leaves: list[tuple[str, Any]]) -> tuple[list[Entry], int]:
-    """Each tensor leaf at an aligned offset; returns the entries and a slot's size in bytes."""
-    entries: list[Entry] = []
-    offset = 0
-    for key, value in leaves:
-        if not isinstance(value, torch.Tensor):
-            continue
-        nbytes = value.numel() * value.element_size()
-        entries.append(
-            Entry(key, str(value.dtype).removeprefix("torch."), tuple(value.shape), offset, nbytes)
-        )
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return entries, max(offset, ALIGN)
+def group_hparams(trainer: Any) -> list[list[dict[str, Any]]]:
+    """Each optimizer's param-group settings (lr moves with the schedule), JSON-able."""
+    return [
+        [
+            {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+            for group in opt.param_groups
+        ]
+        for opt in optimizers(trainer)
+    ]
 
 
-def tmpfs_room(directory: Path, wanted: int) -> str | None:
-    """Why `wanted` bytes do not fit in `directory`'s filesystem, leaving FREE_AFTER of it free; None if they do."""
-    probe = directory
-    while not probe.exists():
-        probe = probe.parent
-    st = os.statvfs(probe)
-    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-    if wanted > free - FREE_AFTER * total:
-        return f"needs {wanted / 1e9:.2f} GB in {probe}, which has {free / 1e9:.2f} GB free of {total / 1e9:.2f} GB"
-    return None
-
-
-class Slot:
-    """One file in tmpfs, mapped as bytes and carved into a view per tensor (pinned for a GPU's copies)."""
-
-    def __init__(self, path: Path, size: int, entries: list[Entry], pin: bool) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on a page fault mid-copy
-        finally:
-            os.close(fd)
-        self.path = path
-        self.bytes = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        self.pinned = False
-        if pin:
-            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0)
-            self.pinned = int(err) == 0
-        self.views = {e.key: self._view(e) for e in entries}
-
-    def _view(self, entry: Entry) -> torch.Tensor:
-        raw = self.bytes[entry.offset : entry.offset + entry.nbytes]
-        return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-            self.pinned = False
+def tensor_leaves(trainer: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The state's leaves with their key paths (tensors alias the live ones), and the tree's spec."""
+    leaves_with_path, spec = tree_flatten_with_path(state_tree(trainer))
+    return [(keystr(path), value) for path, value in leaves_with_path], spec
 
 
 @dataclass
@@ -133,7 +91,11 @@ class Pending:
     step: int
     slot: int
     record: dict[str, Any] = field(default_factory=dict)  # latest.json's content once it lands
-    done: torch.cuda.Event | None = None
+    events: tuple[Any, Any] | None = None  # the copy's start and end on the side stream (a GPU's)
+
+    @property
+    def done(self) -> Any:
+        return self.events[1] if self.events else None
 
 
 class MemoryCheckpointer:
@@ -149,14 +111,18 @@ class MemoryCheckpointer:
         self.pending: Pending | None = None
         self.off_reason: str | None = None
         self.paid_s = 0.0  # host seconds the steps spent here, for metrics
+        self.split: dict[str, float] = {}  # where the last step's share went (and the last copy's GPU time)
+        self.last_copy_gpu_s = 0.0
+        self.pinned = False
         self.saved = 0
-        on_gpu = next(trainer.model.parameters()).is_cuda
-        self.stream = torch.cuda.Stream() if on_gpu else None
-        optimizers = [trainer.optimizer]
-        critic = getattr(trainer, "critic", None)
-        if critic is not None:
-            optimizers.append(critic.optimizer)
-        self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers]
+        self.device = next(trainer.model.parameters()).device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.tensors: list[torch.Tensor] = []  # the live state tensors, in `entries` order
+        self.scalars: list[list[Any]] = []  # the state tree's other leaves (key, value)
+        self.packed: PackedCopy | None = None
+        self.steps = 0
+        self.token = run_token(run_dir)
+        self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers(trainer)]
 
     def _before_optimizer_step(self, *_: Any) -> None:
         """The weights change next: the copy in flight must have read them first (a wait on the GPU)."""
@@ -180,15 +146,38 @@ class MemoryCheckpointer:
             self.log.warning("memory checkpoint off: the state does not fit", detail=reason)
             return False
         self.entries = entries
-        layout = json.dumps([e.__dict__ for e in entries])
+        self._take(leaves)
+        layout = json.dumps({"entries": [e.__dict__ for e in entries], "scalars": self.scalars})
         self.layout_id = hashlib.sha1(layout.encode()).hexdigest()[:16]
         (self.directory / LAYOUT).write_text(layout)
-        if self.stream is not None and not all(s.pinned for s in self.slots):
+        self.pinned = all(s.pinned for s in self.slots)
+        if self.stream is not None and not self.pinned:
             self.log.warning("memory checkpoint: slots not pinned, copies run at pageable speed")
         return True
 
     def _slot_files(self) -> list[Path]:
         return [p for p in (self.directory / f"slot{i}.bin" for i in range(2)) if p.exists()]
+
+    def _take(self, leaves: list[tuple[str, Any]]) -> None:
+        """Holds the live tensors to copy (and a packed copy of them on a GPU)."""
+        self.tensors = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+        self.scalars = [[k, v] for k, v in leaves if not isinstance(v, torch.Tensor)]
+        if self.stream is not None and self.entries is not None:
+            with torch.cuda.stream(self.stream):  # the GPU buffer belongs to the side stream
+                self.packed = PackedCopy(self.entries, self.tensors, self.device)
+
+    def _recheck(self) -> bool:
+        """Whether the state's tensors are still the ones held (an optimizer could replace its state)."""
+        leaves, _ = tensor_leaves(self.trainer)
+        live = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+        if [(t.data_ptr(), t.shape) for t in live] == [(t.data_ptr(), t.shape) for t in self.tensors]:
+            return True
+        if plan_layout(leaves)[0] != self.entries:
+            self.off_reason = "the state's layout changed"
+            self.log.warning("memory checkpoint off", detail=self.off_reason)
+            return False
+        self._take(leaves)
+        return True
 
     def after_step(self, step: int, extra: Callable[[], dict[str, Any]]) -> float:
         """Names the previous step's slot resumable and starts copying `step` into the other; returns the
@@ -197,48 +186,62 @@ class MemoryCheckpointer:
             return 0.0
         t0 = time.perf_counter()
         self._commit()
-        leaves_with_path, _ = tree_flatten_with_path(state_tree(self.trainer))
-        leaves = [(keystr(path), value) for path, value in leaves_with_path]
-        if self.entries is None and not self._allocate(leaves):
+        t_commit = time.perf_counter()
+        if self.entries is None:
+            if not self._allocate(tensor_leaves(self.trainer)[0]):
+                return 0.0
+        elif self.steps % RECHECK_EVERY == 0 and not self._recheck():
             return 0.0
+        self.steps += 1
+        t_state = time.perf_counter()
         slot_index = 1 - self.committed_slot
-        views = self.slots[slot_index].views
-        done = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream())  # the step's last writes are in
-            with torch.cuda.stream(self.stream):
-                for key, value in leaves:
-                    if isinstance(value, torch.Tensor):
-                        views[key].copy_(value.detach(), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-        else:
-            for key, value in leaves:
-                if isinstance(value, torch.Tensor):
-                    views[key].copy_(value.detach())
+        events = self._copy(self.slots[slot_index])
+        t_copy = time.perf_counter()
         record = {
             "format": FORMAT,
             "step": step,
             "slot": slot_index,
             "layout": self.layout_id,
-            "scalars": [[k, v] for k, v in leaves if not isinstance(v, torch.Tensor)],
+            "hparams": group_hparams(self.trainer),
             "meta": checkpoint_meta(self.trainer, extra()),
             "rng": rng_state(),
-            "token": run_token(self.run_dir),
+            "token": self.token,
         }
-        self.pending = Pending(step, slot_index, record, done)
-        if done is None:
+        self.pending = Pending(step, slot_index, record, events)
+        if events is None:
             self._commit()  # a CPU copy has landed already
         paid = time.perf_counter() - t0
+        self.split = {
+            "commit_s": t_commit - t0,
+            "state_s": t_state - t_commit,
+            "copy_issue_s": t_copy - t_state,
+            "record_s": paid - (t_copy - t0),
+            "copy_gpu_s": self.last_copy_gpu_s,
+        }
         self.paid_s += paid
         return paid
+
+    def _copy(self, slot: Slot) -> tuple[Any, Any] | None:
+        """The state into `slot`: packed on the side stream (returns its start and end events), or in place."""
+        if self.stream is None or self.packed is None:
+            for view, value in zip(slot.views.values(), self.tensors, strict=True):
+                view.copy_(value.detach())
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the step's last writes are in
+        with torch.cuda.stream(self.stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            self.packed.copy_into(slot)
+            end.record(self.stream)
+        return start, end
 
     def _commit(self) -> None:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        if pending.done is not None:
+        if pending.events is not None:
             pending.done.synchronize()  # landed long ago, normally: the optimizer step waited for it
+            self.last_copy_gpu_s = pending.events[0].elapsed_time(pending.done) / 1e3
         tmp = self.directory / (MARKER + ".tmp")
         tmp.write_text(json.dumps(pending.record))
         tmp.replace(self.directory / MARKER)
@@ -317,8 +320,10 @@ def load_memory_checkpoint(checkpoint: MemoryCheckpoint, trainer: Any) -> dict[s
     layout = (checkpoint.directory / LAYOUT).read_text()
     if hashlib.sha1(layout.encode()).hexdigest()[:16] != record.get("layout"):
         raise CheckpointError(f"{checkpoint}: its layout file is not the one its step was copied with")
+    saved_layout = json.loads(layout)
     entries = [
-        Entry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in json.loads(layout)
+        Entry(e["key"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
+        for e in saved_layout["entries"]
     ]
     size = max((e.offset + e.nbytes for e in entries), default=ALIGN)
     slot_path = checkpoint.directory / f"slot{record['slot']}.bin"
@@ -326,17 +331,15 @@ def load_memory_checkpoint(checkpoint: MemoryCheckpoint, trainer: Any) -> dict[s
         raise CheckpointError(f"{checkpoint}: its slot file is missing or short")
     raw = torch.from_file(str(slot_path), shared=False, size=slot_path.stat().st_size, dtype=torch.uint8)
     by_key = {e.key: e for e in entries}
-    scalars = {k: v for k, v in record["scalars"]}
-    leaves_with_path, spec = tree_flatten_with_path(state_tree(trainer))
+    scalars = {k: v for k, v in saved_layout["scalars"]}
+    leaves, spec = tensor_leaves(trainer)
     values: list[Any] = []
-    for path, value in leaves_with_path:
-        key = keystr(path)
+    for key, value in leaves:
         if isinstance(value, torch.Tensor):
             entry = by_key.get(key)
             if entry is None or tuple(value.shape) != entry.shape:
                 raise CheckpointError(f"{checkpoint}: {key} does not fit this trainer")
-            saved = raw[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
-            value.detach().copy_(saved.view(entry.shape))
+            value.detach().copy_(view_of(raw, entry))
             values.append(value)
         else:
             values.append(scalars.get(key, value))
@@ -352,6 +355,9 @@ def load_memory_checkpoint(checkpoint: MemoryCheckpoint, trainer: Any) -> dict[s
             model_state_dict=state["critic"]["model"],
             optim_state_dict=state["critic"]["optim"],
         )
+    for opt, groups in zip(optimizers(trainer), record["hparams"], strict=True):
+        for group, saved in zip(opt.param_groups, groups, strict=True):
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
     meta = record["meta"]
     restore_trainer_state(trainer, meta.get("trainer", {}), record.get("rng"))
     return dict(meta.get("extra", {}))
