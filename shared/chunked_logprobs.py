@@ -71,11 +71,20 @@ def chunk_logits_grad(
     return dz.to(logits.dtype)
 
 
-def _kernel(fn: Callable, device: torch.device) -> Callable:
-    """On CUDA, ``fn`` compiled by inductor into one fused pass over the chunk's logits (the eager version
-    reads and writes fp32 copies of them several times, which cost more than the matrix products); eager
-    elsewhere."""
-    return _compiled(fn) if device.type == "cuda" else fn
+COMPILE_MIN_VOCAB = 8192  # below, a chunk's logits are small: the eager ops cost less than a compile
+
+
+def compiles_kernels(device: torch.device, vocab: int) -> bool:
+    """Whether the chunk kernels are compiled: on CUDA, for a vocabulary large enough that the fused pass
+    wins back its compile (the demo model's character vocabulary spent 10 s compiling them on an H100)."""
+    return device.type == "cuda" and vocab >= COMPILE_MIN_VOCAB
+
+
+def _kernel(fn: Callable, device: torch.device, vocab: int) -> Callable:
+    """``fn`` compiled by inductor into one fused pass over the chunk's logits where that pays (the eager
+    version reads and writes fp32 copies of them several times, which cost more than the matrix products
+    at a large vocabulary); eager elsewhere."""
+    return _compiled(fn) if compiles_kernels(device, vocab) else fn
 
 
 @functools.cache
@@ -98,7 +107,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
-        stats = _kernel(chunk_stats, hidden.device)
+        stats = _kernel(chunk_stats, hidden.device, weight.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute_dtype)
             for s in range(0, n, chunk):
@@ -119,7 +128,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_lp = grad_logprobs.float() if grad_logprobs is not None else torch.zeros_like(lse)
         g_ent = grad_entropy.float() if grad_entropy is not None else torch.zeros_like(lse)
-        logits_grad = _kernel(chunk_logits_grad, hidden.device)
+        logits_grad = _kernel(chunk_logits_grad, hidden.device, weight.shape[0])
         n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)

@@ -188,3 +188,12 @@ def test_learner_never_allocates_full_vocabulary_logits(tmp_path: Path) -> None:
     chunked = _largest_in_train_step(model_dir, [f"model.logprob_chunk_tokens={chunk}"])
     plain = _largest_in_train_step(model_dir, ["model.use_fused_kernels=false"])
     assert chunked <= bound < full_logits <= plain, (chunked, bound, plain)
+
+
+def test_the_chunk_kernels_compile_only_on_a_gpu_for_a_large_vocabulary() -> None:
+    from rlbus.chunked_logprobs import COMPILE_MIN_VOCAB, compiles_kernels
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compiles_kernels(cuda, 151_936) and compiles_kernels(cuda, COMPILE_MIN_VOCAB)
+    assert not compiles_kernels(cuda, 64)  # the demo model's characters: eager costs less than a compile
+    assert not compiles_kernels(cpu, 151_936)

@@ -337,7 +337,11 @@ class Learner:
         """The learner's compile, at start and beside the first batch's generation, not in step 1."""
         if not self.trainer.warms_up:
             return
-        what = "decoder layers and log-prob kernels" if self.trainer.compiles_layers else "log-prob kernels"
+        parts = {
+            "decoder layers": self.trainer.compiles_layers,
+            "log-prob kernels": self.trainer.compiles_kernels,
+        }
+        what = " and ".join(name for name, compiled in parts.items() if compiled)
         post_notice(self.run_dir, "learner", f"compiling the {what}, once, at start")
         t0 = time.perf_counter()
         if await asyncio.to_thread(self.trainer.warm_up):

@@ -76,11 +76,19 @@ class PolicyTrainer:
         return bool(getattr(self.model, "_rlbus_compiled_layers", False))
 
     @property
+    def compiles_kernels(self) -> bool:
+        """Whether the log-prob kernels are compiled (rlbus.chunked_logprobs: on a GPU, for a large vocabulary)."""
+        from rlbus.chunked_logprobs import compiles_kernels
+
+        config: Any = self.model.config  # a transformers config (under FSDP2, LoRA or not)
+        return compiles_kernels(self.device, int(config.vocab_size))
+
+    @property
     def warms_up(self) -> bool:
-        """Whether `warm_up` compiles: the layers are compiled, or the log-prob kernels are (on a GPU,
-        rlbus.chunked_logprobs: 10 s on an H100 even for the demo model), and this is a learner of one process
-        (with several ranks every rank would have to mirror it, so they compile on their first step instead)."""
-        return (self.compiles_layers or self.device.type == "cuda") and self.par.world_size == 1
+        """Whether `warm_up` compiles: the layers or the log-prob kernels are compiled, and this is a learner
+        of one process (with several ranks every rank would have to mirror it, so they compile on their first
+        step instead)."""
+        return (self.compiles_layers or self.compiles_kernels) and self.par.world_size == 1
 
     def warm_up(self) -> bool:
         """Compile the decoder layers and log-prob kernels now, on a placeholder batch (gradients on, and off where the step takes
