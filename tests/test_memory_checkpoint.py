@@ -32,9 +32,9 @@ class Log:
         self.warnings.append((event, kw))
 
 
-def make_trainer(seed: int) -> SimpleNamespace:
+def make_trainer(seed: int, hidden: int = 16) -> SimpleNamespace:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 4)).to(
         torch.bfloat16
     )
     optimizer = MasterWeightAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
@@ -182,3 +182,37 @@ def test_which_checkpoint_a_start_resumes(tmp_path: Path) -> None:
     assert memory_wanted("auto", on_gpu=True, world=1) and not memory_wanted("auto", on_gpu=False, world=1)
     assert memory_wanted("on", on_gpu=False, world=1) and not memory_wanted("on", on_gpu=True, world=2)
     assert not memory_wanted("off", on_gpu=True, world=1)
+
+
+def test_a_critic_comes_back_too_and_a_misfit_is_refused(tmp_path: Path) -> None:
+    """PPO's value model and its optimizer are in the slot; a trainer of another shape, or a slot file gone,
+    is a CheckpointError (the learner then resumes from its disk checkpoint)."""
+    from rlbus.learner.checkpoint import CheckpointError
+
+    run_dir, slots = tmp_path / "run", tmp_path / "shm"
+    trainer = make_trainer(0)
+    trainer.critic = make_trainer(5)
+    saver = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    for step in (1, 2):
+        train_step(trainer)
+        train_step(trainer.critic)
+        saver.after_step(step, lambda step=step: {"step": step})
+    found = find_memory_checkpoint(slots, run_dir)
+    assert found is not None and found.step == 2
+
+    other = make_trainer(1)
+    other.critic = make_trainer(2)
+    train_step(other)
+    train_step(other.critic)
+    assert load_memory_checkpoint(found, other) == {"step": 2}
+    for a, b in zip(trainer.critic.model.parameters(), other.critic.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert other.critic.scheduler.last_epoch == trainer.critic.scheduler.last_epoch
+
+    wider = make_trainer(3, hidden=32)
+    wider.critic = make_trainer(4)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_memory_checkpoint(found, wider)
+    (slots / f"slot{found.record['slot']}.bin").unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_memory_checkpoint(found, other)

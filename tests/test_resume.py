@@ -94,20 +94,23 @@ def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("mode", ["save_freq", "rolling", "memory"])
+@pytest.mark.parametrize(
+    "mode", ["save_freq", "rolling", "memory", pytest.param("memory_lost", marks=pytest.mark.slow)]
+)
 def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
     nats_url: str, run_id: str, tmp_path: Path, mode: str
 ) -> None:
     """From a save_freq checkpoint, from the rolling one of the newest step (written in the background,
-    rlbus.learner.rolling_checkpoint), or from the memory one of every step (rlbus.learner.memory_checkpoint):
-    each way the resumed run ends with the uninterrupted run's weights."""
+    rlbus.learner.rolling_checkpoint), or from the memory one of every step (rlbus.learner.memory_checkpoint;
+    or from the disk one when the memory one's slot is gone): each way the resumed run ends with the
+    uninterrupted run's weights."""
     t0 = time.monotonic()
     run_b = f"{run_id}b"
     shm = tmp_path / "shm"
     common = [
         *COMMON,
         f"trainer.rolling_checkpoint_budget={0.05 if mode == 'rolling' else 0}",
-        f"trainer.memory_checkpoint={'on' if mode == 'memory' else 'off'}",
+        f"trainer.memory_checkpoint={'on' if mode.startswith('memory') else 'off'}",
         f"trainer.memory_checkpoint_dir={shm}",
     ]
     try:  # A (uninterrupted) and B (killed, resumed) side by side: they share nothing but the NATS server
@@ -116,9 +119,14 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
             Run(make_config(nats_url, run_b, tmp_path, common)) as b,
         ):
             saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir))
+            memory = find_memory_checkpoint(default_directory(shm, b.run_dir, run_b), b.run_dir)
             if mode == "memory":  # the step whose row was logged, or the one before (killed in between)
-                saved = find_memory_checkpoint(default_directory(shm, b.run_dir, run_b), b.run_dir).step
+                assert memory is not None
+                saved = memory.step
                 assert 0 <= done_at_kill - saved <= 1, (saved, done_at_kill)
+            elif mode == "memory_lost":  # its slot gone: the disk checkpoint, said on the learner's log
+                assert memory is not None and memory.step > saved
+                (memory.directory / f"slot{memory.record['slot']}.bin").unlink()
             elif (
                 mode == "rolling"
             ):  # the step in flight is all a restart redoes (or two: the kill hit a write)
@@ -129,6 +137,8 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
             assert a.wait_learner(240) == 0, a.logs("learner")
             assert b.wait_learner(240) == 0, b.logs("learner")
             log = b.proc("learner").log_path.read_text()
+            if mode == "memory_lost":
+                assert "memory checkpoint unusable" in log
     finally:
         _delete_run(nats_url, run_b)
     t_total = time.monotonic() - t0

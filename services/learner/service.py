@@ -10,7 +10,7 @@ from pathlib import Path
 from rlbus.bus.fan_in import WorkConsumer
 from rlbus.bus.trajectory_log import TrajectoryLog
 from rlbus.config import RlbusConfig
-from rlbus.learner.checkpoint import resume_target
+from rlbus.learner.checkpoint import CheckpointError, resume_target
 from rlbus.learner.dispatch import Dispatcher, Ledger
 from rlbus.learner.gather import Gatherer, LearnerStalled
 from rlbus.learner.memory_checkpoint import MemoryCheckpoint
@@ -47,6 +47,7 @@ class Learner:
         self.start_step = 0  # training steps already done (a resumed checkpoint's step)
         self.attempt = 0  # learner starts of this run id before this one
         self.resumed_from: Path | MemoryCheckpoint | None = None
+        self.disk_checkpoint: Path | None = None  # the newest disk checkpoint at start (resume_target's)
         self.trajectory_log: TrajectoryLog | None = None  # bus.trajectory_log
         self.forced_push_at = 0.0
         self.checkpoints: StepCheckpoints | None = None  # memory and rolling ones, once set up
@@ -68,11 +69,10 @@ class Learner:
         for warning in inert_key_warnings(cfg):
             self.ctx.log.warning("config key has no effect", detail=warning)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.resumed_from = resume_source(
-            cfg,
-            self.run_dir,
-            resume_target(self.run_dir, cfg.trainer.resume_mode, self.ctx.log, cfg.trainer.default_local_dir),
+        self.disk_checkpoint = resume_target(
+            self.run_dir, cfg.trainer.resume_mode, self.ctx.log, cfg.trainer.default_local_dir
         )
+        self.resumed_from = resume_source(cfg, self.run_dir, self.disk_checkpoint)
         attempt = await prepare_bus(self.ctx, fresh=self.resumed_from is None)
         self.attempt = attempt.number
         if self.resumed_from is None:
@@ -135,7 +135,14 @@ class Learner:
             and self.trainer.par.world_size > 1
         ):
             path = await self._common_checkpoint(path)
-        restored = await restore(self.trainer, self.loader, path, self.run_dir)
+        try:
+            restored = await restore(self.trainer, self.loader, path, self.run_dir)
+        except CheckpointError as exc:  # a memory checkpoint this trainer cannot take: the disk one then
+            if not isinstance(path, MemoryCheckpoint) or self.disk_checkpoint is None:
+                raise
+            self.ctx.log.warning("memory checkpoint unusable: resuming from disk", error=str(exc))
+            path = self.disk_checkpoint
+            restored = await restore(self.trainer, self.loader, path, self.run_dir)
         self.start_step, self.version, self.ledger = restored.step, restored.version, restored.ledger
         self.dispatcher.ledger = self.ledger
         self.dispatcher.requeue.extend(restored.redispatch)
