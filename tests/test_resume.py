@@ -14,6 +14,7 @@ import json
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,13 +77,21 @@ def _delete_run(url: str, run_id: str) -> None:
         asyncio.run(asyncio.wait_for(go(), 15))
 
 
-def _kill_after_a_checkpoint(run: Run, root: Path) -> tuple[int, int]:
-    """SIGKILL the learner once a checkpoint exists and at least one more step is done (work to redo)."""
+def _kill_after_a_checkpoint(
+    run: Run, root: Path, also: Callable[[int], bool] = lambda saved: True
+) -> tuple[int, int]:
+    """SIGKILL the learner once a checkpoint exists and at least one more step is done (work to redo), and
+    `also(its step)` holds."""
     deadline = time.monotonic() + 180
     while True:
         ckpt = latest_checkpoint(root)
         rows = _train_rows(run)
-        if ckpt is not None and rows and rows[-1]["step"] > checkpoint_step(ckpt):
+        if (
+            ckpt is not None
+            and rows
+            and rows[-1]["step"] > checkpoint_step(ckpt)
+            and also(checkpoint_step(ckpt))
+        ):
             break
         assert run.learner.alive, run.logs("learner")
         assert time.monotonic() < deadline, run.logs("learner")
@@ -118,8 +127,14 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
             Run(make_config(nats_url, run_id, tmp_path, common)) as a,
             Run(make_config(nats_url, run_b, tmp_path, common)) as b,
         ):
-            saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir))
-            memory = find_memory_checkpoint(default_directory(shm, b.run_dir, run_b), b.run_dir)
+            slots = default_directory(shm, b.run_dir, run_b)
+
+            def memory_ahead(saved: int) -> bool:  # memory_lost: a memory step newer than the disk one
+                found = find_memory_checkpoint(slots, b.run_dir)
+                return mode != "memory_lost" or (found is not None and found.step > saved)
+
+            saved, done_at_kill = _kill_after_a_checkpoint(b, checkpoint_root(b.run_dir), memory_ahead)
+            memory = find_memory_checkpoint(slots, b.run_dir)
             if mode == "memory":  # the step whose row was logged, or the one before (killed in between)
                 assert memory is not None
                 saved = memory.step
