@@ -21,7 +21,7 @@ from rlbus.learner.memory_checkpoint import (
 )
 from rlbus.learner.memory_slots import PackedCopy, Slot, plan_chunks, plan_layout, tmpfs_room
 from rlbus.learner.optim import MasterWeightAdamW
-from rlbus.learner.step_checkpoints import memory_wanted, newest
+from rlbus.learner.step_checkpoints import memory_wanted, newest, other_runs_slots
 
 
 class Log:
@@ -216,3 +216,12 @@ def test_a_critic_comes_back_too_and_a_misfit_is_refused(tmp_path: Path) -> None
     (slots / f"slot{found.record['slot']}.bin").unlink()
     with pytest.raises(CheckpointError, match="missing"):
         load_memory_checkpoint(found, other)
+
+
+def test_other_runs_slots_are_found_with_their_size(tmp_path: Path) -> None:
+    own, other = tmp_path / "rlbus-a-1", tmp_path / "rlbus-b-2"
+    for folder, size in ((own, 10), (other, 300)):
+        folder.mkdir()
+        (folder / "slot0.bin").write_bytes(b"x" * size)
+    (tmp_path / "not-ours").mkdir()
+    assert other_runs_slots(tmp_path, own) == {other: 300}

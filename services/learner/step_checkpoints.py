@@ -51,6 +51,16 @@ def resume_source(cfg: RlbusConfig, run_dir: Path, disk: Path | None) -> Path | 
     return source
 
 
+def other_runs_slots(root: Path, own: Path) -> dict[Path, int]:
+    """Memory checkpoints of other runs in `root` and their bytes: a run stopped and never resumed (or
+    finished elsewhere) leaves its slots in memory until someone removes them."""
+    found: dict[Path, int] = {}
+    for folder in root.glob("rlbus-*"):
+        if folder != own and folder.is_dir():
+            found[folder] = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    return found
+
+
 class StepCheckpoints:
     """The memory and rolling checkpoints of one learner process: called after every step."""
 
@@ -65,6 +75,14 @@ class StepCheckpoints:
             if memory_wanted(tcfg.memory_checkpoint, on_gpu, trainer.par.world_size)
             else None
         )
+        if self.memory is not None and (
+            others := other_runs_slots(tcfg.memory_checkpoint_dir, self.memory.directory)
+        ):
+            log.warning(
+                "memory checkpoints of other runs hold shared memory: remove those whose runs are over",
+                folders=[str(p) for p in sorted(others)],
+                gb=round(sum(others.values()) / 1e9, 2),
+            )
         self.rolling = (
             RollingCheckpointer(
                 checkpoint_root(run_dir, tcfg.default_local_dir),
