@@ -248,10 +248,6 @@ class MemoryCheckpointer:
         self.committed_slot = pending.slot
         self.saved += 1
 
-    def flush(self) -> None:
-        """The copy in flight named resumable (at the end of a run, before the slots are removed)."""
-        self._commit()
-
     def close(self, remove: bool) -> None:
         """Unpins the slots; `remove` deletes them (the run finished: nothing left to resume)."""
         for hook in self._hooks:

@@ -97,10 +97,13 @@ class StepCheckpoints:
 
     @property
     def staged_total_s(self) -> float:
-        """Seconds the steps paid for both (for metrics)."""
-        return (self.rolling.staged_total_s if self.rolling else 0.0) + (
-            self.memory.paid_s if self.memory else 0.0
-        )
+        """Seconds the steps paid staging rolling checkpoints (for metrics)."""
+        return self.rolling.staged_total_s if self.rolling else 0.0
+
+    @property
+    def memory_paid_s(self) -> float:
+        """Host seconds the steps paid the memory checkpoint (for metrics; its copies overlap the steps)."""
+        return self.memory.paid_s if self.memory else 0.0
 
     async def after_step(
         self,

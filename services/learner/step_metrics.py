@@ -22,6 +22,9 @@ class RollingCounters(Protocol):
     @property
     def staged_total_s(self) -> float: ...
 
+    @property
+    def memory_paid_s(self) -> float: ...
+
 
 def run_counters(
     ledger: Ledger,
@@ -48,6 +51,7 @@ def run_counters(
         "prompts/dead_lettered": float(ledger.dropped_count(DEAD_LETTERED)),
         "prompts/refused": float(ledger.dropped_count(REFUSED)),
         "checkpoint/rolling_stage_s_total": rolling.staged_total_s if rolling else 0.0,
+        "checkpoint/memory_s_total": rolling.memory_paid_s if rolling else 0.0,
         # graphs torch.compile built in this process so far: a rise after step 1 is a compile stall
         "perf/compiled_graphs": float(compiled_graph_count()),
     }
