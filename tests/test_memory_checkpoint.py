@@ -225,3 +225,25 @@ def test_other_runs_slots_are_found_with_their_size(tmp_path: Path) -> None:
         (folder / "slot0.bin").write_bytes(b"x" * size)
     (tmp_path / "not-ours").mkdir()
     assert other_runs_slots(tmp_path, own) == {other: 300}
+
+
+def test_a_start_resumes_the_newer_and_drops_slots_it_does_not_resume(tmp_path: Path) -> None:
+    from rlbus.config.schema import RlbusConfig
+    from rlbus.learner.step_checkpoints import memory_directory, resume_source
+
+    run_dir = tmp_path / "run"
+    cfg = RlbusConfig(
+        run={"id": "r1"}, trainer={"memory_checkpoint_dir": str(tmp_path / "shm"), "resume_mode": "auto"}
+    )
+    slots = memory_directory(cfg, run_dir)
+    trainer = make_trainer(0)
+    saver = MemoryCheckpointer(slots, trainer, run_dir, Log())
+    for step in (1, 2, 3, 4, 5):
+        train_step(trainer)
+        saver.after_step(step, lambda step=step: {"step": step})
+    saver.close(remove=False)
+    older, newer = tmp_path / "global_step_3", tmp_path / "global_step_6"
+    picked = resume_source(cfg, run_dir, older)
+    assert isinstance(picked, MemoryCheckpoint) and picked.step == 5 and slots.exists()
+    assert resume_source(cfg, run_dir, newer) == newer
+    assert not slots.exists()  # another lineage's steps from now on: never preferred later

@@ -40,13 +40,14 @@ def memory_directory(cfg: RlbusConfig, run_dir: Path) -> Path:
 
 def resume_source(cfg: RlbusConfig, run_dir: Path, disk: Path | None) -> Path | MemoryCheckpoint | None:
     """What a learner start resumes: `disk` (resume_target's pick), or a newer memory checkpoint of this run
-    under resume_mode=auto. A start that resumes nothing removes this run dir's slots (another history's)."""
+    under resume_mode=auto. A start that does not resume the memory one removes this run dir's slots: they
+    hold another lineage's steps (a later start must never prefer them to this one's disk checkpoints)."""
     memory = None
     single = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if cfg.trainer.resume_mode == "auto" and cfg.trainer.memory_checkpoint != "off" and single:
         memory = find_memory_checkpoint(memory_directory(cfg, run_dir), run_dir)
     source = newest(disk, memory)
-    if source is None:
+    if not isinstance(source, MemoryCheckpoint):
         shutil.rmtree(memory_directory(cfg, run_dir), ignore_errors=True)
     return source
 
