@@ -187,7 +187,7 @@ def profile_batch(engine: Any, requests: list[Any]) -> float:
         else ("self_cpu_time_total",)
     ):
         print(f"   by {sort}:", flush=True)
-        print(averages.table(sort_by=sort, row_limit=18, max_name_column_width=70), flush=True)
+        print(averages.table(sort_by=sort, row_limit=40, max_name_column_width=70), flush=True)
     return seconds
 
 
