@@ -193,8 +193,9 @@ def profile_batch(engine: Any, requests: list[Any]) -> float:
 
 def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:
     """`hf`: the replica's engine (decode shapes planned for these batches, compiled by warm_up before the
-    clock starts); `hf-unplanned`: compiled decode with shapes bucketed on the fly (the engine before shape
-    planning); `hf-eager`: no compiled decode (rollout.enforce_eager=true)."""
+    clock starts; q/k/v and gate/up fused); `hf-unfused`: the same without the fused projections;
+    `hf-unplanned`: compiled decode through `generate` with shapes bucketed on the fly, unfused (the engine
+    before shape planning); `hf-eager`: no compiled decode (rollout.enforce_eager=true)."""
     from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
     from rlbus.rollout.engines.hf import HFEngine
 
@@ -207,9 +208,10 @@ def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argpa
         seed=0,
         max_batch_rows=args.max_num_seqs,
         compiled_decode=False if name == "hf-eager" else None,
-        decode_shapes=shapes if name == "hf" else None,
+        decode_shapes=shapes if name in ("hf", "hf-unfused") else None,
+        fuse_projections=name not in ("hf-unfused", "hf-unplanned"),
     )
-    if name == "hf":
+    if name in ("hf", "hf-unfused"):
         engine.warm_up(lambda line: print(f"   {line}", flush=True))
     return engine
 
@@ -254,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HIDDEN:LAYERS",
         help="build a random-weight Qwen2 of this shape instead of using --model",
     )
-    parser.add_argument("--engines", default="hf,vllm", help="any of hf, hf-unplanned, hf-eager, vllm")
+    parser.add_argument(
+        "--engines", default="hf,vllm", help="any of hf, hf-unfused, hf-unplanned, hf-eager, vllm"
+    )
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -31,6 +31,7 @@ from rlbus.modeling import (
 )
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
+from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
 from rlbus.rollout.engines.static_decode import StaticDecoder
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class HFEngine(RolloutEngine):
         gpu_memory_utilization: float = 1.0,
         decode_shapes: DecodeShapes | None = None,
         static_decode: bool | None = None,
+        fuse_projections: bool = True,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -119,6 +121,8 @@ class HFEngine(RolloutEngine):
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
+        if fuse_projections:  # q/k/v and gate/up as one matrix product each, names unchanged
+            fuse_decoder_projections(self.model)
         self.compiled_decode = (  # by default on a GPU, for a model whose compile pays (rlbus.modeling)
             self.device.type == "cuda" and compile_pays(parameter_count(self.model))
             if compiled_decode is None
