@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU figures the README quotes, in three parts that each fit a 10-minute slot on one GPU (H100/H200):
-#   bash scripts/gpu_acceptance.sh 1   # make test-gpu, decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128,
+# The GPU tests and the figures the README quotes, in parts that each fit a 10-minute slot on one GPU (H100/H200):
+#   bash scripts/gpu_acceptance.sh 0   # make test-gpu
+#   bash scripts/gpu_acceptance.sh 1   # decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128, fused and not,
 #                                      # one more batch profiled: rollout.log),
 #                                      # a plain `rlbus up` with a timestamp on every console line, checkpoint cost
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
@@ -10,7 +11,7 @@
 #     curves left in $LEARNING_WORK.
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
 set -uo pipefail
-part=${1:?part 1, 2 or 3}
+part=${1:?part 0, 1, 2 or 3}
 results=${RESULTS:-./gpu-results}
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
@@ -18,11 +19,13 @@ py=${PYTHON:-python3}
 date -u +%FT%TZ
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done; }
 case $part in
-1)
+0)
   echo "== make test-gpu"
-  timeout 150 "$py" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15
+  timeout 200 "$py" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15
+  ;;
+1)
   echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
-  timeout 200 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines hf,hf-unplanned \
+  timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines hf,hf-unfused,hf-unplanned \
     --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
     --pushes 0 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16
@@ -44,7 +47,7 @@ case $part in
   cp "$work"/learning.png "$work"/learning.json "$work"/curve-*.json "$results"/ 2>/dev/null
   ;;
 *)
-  echo "unknown part $part (1, 2 or 3)" >&2
+  echo "unknown part $part (0, 1, 2 or 3)" >&2
   exit 2
   ;;
 esac
