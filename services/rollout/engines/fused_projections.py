@@ -85,9 +85,9 @@ def _fuse(linears: list[nn.Linear]) -> None:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuses q/k/v and gate/up in every decoder layer that has them as plain bias-compatible Linears (Qwen2,
-    Llama and their kin); returns how many groups were fused. For inference: the parameters stop requiring
-    grad."""
+    """Fuses q/k/v and gate/up in every decoder layer that has them as plain Linears of one input size,
+    dtype and device, all with a bias or none (Qwen2, Llama and their kin); returns how many groups were
+    fused. For inference, after the model is on its device: the parameters stop requiring grad."""
     fused = 0
     for module in list(model.modules()):
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
