@@ -1,6 +1,7 @@
 """The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
 configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/rollout.py` with the
-embedded engine's three decode paths, `bench/bus.py` on a short
+embedded engine's four decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
+rolling one, `bench/bus.py` on a short
 setting with 1 and 2 partitions side by side, and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
 print them."""
@@ -53,7 +54,7 @@ def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_eager_decode(
+def test_the_rollout_bench_compares_the_embedded_engine_with_its_unfused_unplanned_and_eager_decode(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "rollout.json"
@@ -64,7 +65,7 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_e
             "64:2:128",
             "--ignore-eos",
             "--engines",
-            "hf,hf-unplanned,hf-eager",
+            "hf,hf-unfused,hf-unplanned,hf-eager",
             "--prompts",
             "3",
             "--n",
@@ -82,9 +83,42 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unplanned_and_e
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"hf", "hf-unplanned", "hf-eager"}
+    assert set(results) == {"hf", "hf-unfused", "hf-unplanned", "hf-eager"}
     assert all(r["mean_len"] == 6 and r["tokens_per_s"] > 0 for r in results.values()), results
     assert re.search(r"hf/hf-unplanned tokens/s ratio: [\d.]+x", done.stdout), done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_checkpoint_bench_times_the_memory_checkpoint_alone_and_with_the_rolling_one(
+    tmp_path: Path,
+) -> None:
+    done = run_bench(
+        [
+            "bench/checkpoint.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--shm",
+            str(tmp_path / "shm"),
+            "--dir",
+            str(tmp_path),
+        ],
+        timeout=280,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for side in ("memory", "memory+rolling"):
+        assert re.search(
+            rf"^{re.escape(side)}: median of the rounds' mean steps [\d.]+ s vs [\d.]+ s plain: [\d.]+x",
+            done.stdout,
+            re.M,
+        ), done.stdout
+    assert re.search(r"memory: per step commit_s [\d.]+ ms, state_s", done.stdout), done.stdout
+    assert "round 1 memory: mean step" in done.stdout and "2 memory checkpoints" in done.stdout
 
 
 @pytest.mark.slow
