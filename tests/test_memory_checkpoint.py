@@ -4,7 +4,6 @@ history's slots are never resumed, and a state that does not fit turns it off wi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,12 +11,12 @@ import pytest
 import torch
 
 from rlbus.learner.memory_checkpoint import (
-    MARKER,
     TOKEN_FILE,
     MemoryCheckpoint,
     MemoryCheckpointer,
     find_memory_checkpoint,
     load_memory_checkpoint,
+    read_record,
 )
 from rlbus.learner.memory_slots import PackedCopy, Slot, plan_chunks, plan_layout, tmpfs_room
 from rlbus.learner.optim import MasterWeightAdamW
@@ -90,14 +89,14 @@ def test_the_named_slot_is_never_the_next_one_written(tmp_path: Path) -> None:
     for step in range(1, 5):
         train_step(trainer)
         saver.after_step(step, lambda step=step: {"step": step})
-        named.append(json.loads((slots / MARKER).read_text())["slot"])
+        named.append(read_record(slots)["slot"])
     assert named == [0, 1, 0, 1]
     saver.close(remove=False)
-    # a new process of the same run (a restart) writes first into the slot latest.json does not name
+    # a new process of the same run (a restart) writes first into the slot the marker does not name
     again = MemoryCheckpointer(slots, trainer, run_dir, Log())
     train_step(trainer)
     again.after_step(5, lambda: {"step": 5})
-    assert json.loads((slots / MARKER).read_text())["slot"] == 0
+    assert read_record(slots)["slot"] == 0
 
 
 def test_slots_of_another_history_are_not_resumed(tmp_path: Path) -> None:

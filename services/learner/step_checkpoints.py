@@ -4,6 +4,7 @@ disk checkpoint (within its budget, rlbus.learner.rolling_checkpoint)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable
@@ -115,11 +116,13 @@ class StepCheckpoints:
         tokenizer: Any,
         kept: bool,
     ) -> None:
-        """`done` steps trained; `kept`: save_freq's checkpoint of it was just written (no rolling one then)."""
+        """`done` steps trained; `kept`: save_freq's checkpoint of it was just written (no rolling one then).
+        `extra` (the run's position and ledger, which grows with the run) is built once for both."""
+        once = functools.cache(extra)
         if self.memory is not None:
-            self.memory.after_step(done, extra)
+            self.memory.after_step(done, once)
         if self.rolling is not None and not kept:
-            await self.rolling.after_step(done, step_s, trainer, extra, tokenizer)
+            await self.rolling.after_step(done, step_s, trainer, once, tokenizer)
 
     async def flush(self) -> None:
         """Before a kept save: no rolling write beside it (nor beside its prune)."""
