@@ -80,8 +80,9 @@ class PolicyTrainer:
         """Whether the log-prob kernels are compiled (rlbus.chunked_logprobs: on a GPU, for a large vocabulary)."""
         from rlbus.chunked_logprobs import compiles_kernels
 
-        config: Any = self.model.config  # a transformers config (under FSDP2, LoRA or not)
-        return compiles_kernels(self.device, int(config.vocab_size))
+        model: Any = self.model  # a transformers model (under FSDP2, LoRA or not)
+        head = model.get_output_embeddings().weight  # the rows the kernels see (DTensor: its global shape)
+        return compiles_kernels(self.device, int(head.shape[0]))
 
     @property
     def warms_up(self) -> bool:
