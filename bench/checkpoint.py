@@ -3,8 +3,10 @@ every step (rlbus.learner.memory_checkpoint) alone, and with the rolling disk on
 (rlbus.learner.rolling_checkpoint): the learner's default on a GPU.
 
 The same PolicyTrainer and batch as bench/learner.py (the 0.5B Qwen2 shape by default, `--tiny` for a toy):
-one disk checkpoint staged and written by hand (its size and seconds), then rounds of N plain steps and N
-steps of each side in turn. Prints each side's mean step against the plain one and their ratio.
+one disk checkpoint staged and written by hand (its size and seconds), then rounds of N plain steps, N steps
+of each side in turn and N plain steps again. Each side's mean step is paired with its round's plain mean
+(the two plain runs' average, so a drift over the round hits both); it prints the ratio round by round, their
+median, and all rounds together (the long-run share, where the rolling checkpoint's rare writes count).
 
     python bench/checkpoint.py                       # the 0.5B shape (on a GPU)
     python bench/checkpoint.py --tiny --device cpu   # smoke run
@@ -107,8 +109,8 @@ async def measure(args: argparse.Namespace) -> int:
                 if side.memory is not None and side.memory.off_reason:
                     print(f"{name}: off ({side.memory.off_reason})")
                     return 1
-            for r in range(args.rounds):  # each side in turn, this many times
-                means["plain"].append(statistics.mean(await timed_steps(trainer, batch, args.steps)))
+            for r in range(args.rounds):  # plain, each side in turn, plain again: this many times
+                before = statistics.mean(await timed_steps(trainer, batch, args.steps))
                 for name, side in sides.items():
                     saved = side.memory.saved if side.memory else 0
                     written = side.rolling.written if side.rolling else 0
@@ -120,20 +122,25 @@ async def measure(args: argparse.Namespace) -> int:
                     saved = (side.memory.saved if side.memory else 0) - saved
                     written = (side.rolling.written if side.rolling else 0) - written
                     print(
-                        f"round {r + 1} {name}: mean step {means[name][-1]:.3f} s vs {means['plain'][-1]:.3f} "
-                        f"s plain ({saved} memory checkpoints, {written} disk ones in {args.steps} steps)",
+                        f"round {r + 1} {name}: mean step {means[name][-1]:.3f} s "
+                        f"({saved} memory checkpoints, {written} disk ones in {args.steps} steps)",
                         flush=True,
                     )
+                after = statistics.mean(await timed_steps(trainer, batch, args.steps))
+                means["plain"].append((before + after) / 2)
+                print(f"round {r + 1} plain: mean step {before:.3f} s before the sides, {after:.3f} s after")
         finally:
             for side in sides.values():
                 await side.finish()
         plain_s = statistics.median(means["plain"])
         print()
         for name in sides:
-            side_s = statistics.median(means[name])
+            ratios = [side_s / plain for side_s, plain in zip(means[name], means["plain"], strict=True)]
+            overall = sum(means[name]) / sum(means["plain"])
             print(
-                f"{name}: median of the rounds' mean steps {side_s:.3f} s vs {plain_s:.3f} s plain: "
-                f"{side_s / plain_s:.3f}x ({(side_s - plain_s) / plain_s:+.1%})"
+                f"{name}: per round {' '.join(f'{x:.3f}' for x in ratios)} of the round's plain step; "
+                f"median {statistics.median(ratios):.3f}x ({statistics.median(ratios) - 1:+.1%}), "
+                f"all rounds together {overall:.3f}x"
             )
         memory = sides["memory"].memory
         if splits and memory is not None:
@@ -157,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--steps", type=int, default=40, help="timed steps per side and round")
-    p.add_argument("--rounds", type=int, default=3, help="plain then checkpointed, this many times in turn")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="plain, each side, plain again: this many times in turn"
+    )
     p.add_argument("--budget", type=float, default=0.05, help="trainer.rolling_checkpoint_budget")
     p.add_argument("--dir", default=None, help="where the disk checkpoints are written (a temporary folder)")
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="trainer.memory_checkpoint_dir")
