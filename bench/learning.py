@@ -10,7 +10,9 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
    checkpointing off, TRL with its static cache and compiled decode, rlbus's replica generating the whole
    batch in one call as TRL does (`rollout.prompts_per_batch`);
-3. held-out greedy accuracy on the same val set over time: rlbus's own validation (`trainer.test_freq`,
+3. each system launched with torch.compile and Triton caches of its own, empty (`cold_compile_env`): its
+   clock includes its compiles, as on a fresh machine;
+4. held-out greedy accuracy on the same val set over time: rlbus's own validation (`trainer.test_freq`,
    counted in its clock), TRL's by a callback (its evaluation time is taken off TRL's clock).
 
 It prints both curves, the time each system took to reach TRL's final accuracy and their ratio, the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +175,16 @@ def write_data(task: WorkedAddition, args: argparse.Namespace, work: Path) -> tu
 # ----------------------------------------------------------------------------------------------- rlbus
 
 
+def cold_compile_env(work: Path, system: str) -> dict[str, str]:
+    """The environment a system is launched with: torch.compile's and Triton's caches in a new folder of its
+    own, so each system's clock includes its compiles as on a fresh machine (a system launched after another in
+    the same process tree would otherwise find kernels the earlier one compiled)."""
+    cache = work / "compile-cache" / system
+    shutil.rmtree(cache, ignore_errors=True)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
+
+
 def run_rlbus(
     args: argparse.Namespace, model: Path, data: tuple[Path, Path], level: int, work: Path
 ) -> Curve:
@@ -196,7 +209,7 @@ def run_rlbus(
     launched = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", *overrides], cwd=work, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                stderr=subprocess.STDOUT, env=cold_compile_env(work, run_id))  # fmt: skip
         try:
             proc.wait(timeout=args.budget_s)
             raise RuntimeError(f"rlbus exited {proc.returncode} before its budget; see {log}")
@@ -292,7 +305,7 @@ def run_trl(args: argparse.Namespace, model: Path, data: tuple[Path, Path], work
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     print("TRL GRPOTrainer (static cache, compiled decode, gradient checkpointing off)", flush=True)
-    done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work,
+    done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work, env=cold_compile_env(work, "trl"),
                           capture_output=True, text=True, timeout=args.budget_s + 600)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the figures the README quotes, in parts that each fit a 10-minute slot on one GPU (H100/H200):
 #   bash scripts/gpu_acceptance.sh 0   # make test-gpu
-#   bash scripts/gpu_acceptance.sh 1   # a plain `rlbus up` with a timestamp on every console line, checkpoint cost,
+#   bash scripts/gpu_acceptance.sh 1   # a plain `rlbus up` with a timestamp on every console line (and its services'
+#                                      # logs: up-logs.tgz), checkpoint cost,
 #                                      # decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128, fused and not,
 #                                      # one more batch profiled: rollout.log)
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
@@ -30,6 +31,7 @@ case $part in
   up_dir=$(mktemp -d)
   (cd "$up_dir" && timeout 120 "$py" -m rlbus.cli up trainer.total_training_steps=30 2>&1 | stamp >"$results/up.log")
   grep -E "rlbus:|step +[0-9]+/" "$results/up.log" | head -40
+  tar czf "$results/up-logs.tgz" -C "$up_dir/runs/demo" logs  # the services' own logs: where start-up went
   echo "== checkpoint cost, 0.5B shape"
   timeout 200 "$py" bench/checkpoint.py --steps 15 --rounds 3 2>&1 | grep -E "GB of|round|median|memory:|off"
   echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
