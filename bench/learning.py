@@ -9,7 +9,9 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
    checkpointing off, TRL with its static cache and compiled decode, rlbus's replica generating the whole
-   batch in one call as TRL does (`rollout.prompts_per_batch`);
+   batch in one call as TRL does (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
+   master weights in its optimizer, TRL trains fp32 weights under bf16 autocast (`--trl-precision mixed`; `bf16`
+   puts TRL's weights in bf16, where AdamW's updates at these learning rates are mostly rounded away);
 3. each system launched with torch.compile and Triton caches of its own, empty (`cold_compile_env`): its
    clock includes its compiles, as on a fresh machine;
 4. held-out greedy accuracy on the same val set over time: rlbus's own validation (`trainer.test_freq`,
@@ -275,6 +277,7 @@ def trl_child(spec: dict) -> None:
         gradient_accumulation_steps=spec["prompts"] * spec["n"] // spec["micro_batch"], num_generations=spec["n"],
         max_completion_length=spec["max_new_tokens"], learning_rate=spec["lr"], beta=0.0, temperature=spec["temperature"],
         max_steps=100000, logging_steps=1, report_to="none", save_strategy="no", bf16=spec["dtype"] == "bfloat16",
+        tf32=spec["device"] == "cuda" and spec["trl_precision"] == "mixed",
         use_cpu=spec["device"] == "cpu", cache_implementation="static" if spec["device"] == "cuda" else None,
         gradient_checkpointing=False, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
@@ -283,7 +286,11 @@ def trl_child(spec: dict) -> None:
     rows = pq.read_table(spec["train"]).to_pylist()
     dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows],
                                  "ground_truth": [r["reward_model"]["ground_truth"] for r in rows]})  # fmt: skip
-    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    # mixed: fp32 weights, bf16 autocast (HF Trainer's mixed precision), so AdamW updates the fp32 weights as
+    # rlbus's optimizer updates its fp32 master copy; bf16: the weights themselves in bf16, where an update
+    # under bf16's resolution (about 0.4% of a weight) is rounded away
+    pure_bf16 = spec["dtype"] == "bfloat16" and spec["trl_precision"] == "bf16"
+    dtype = torch.bfloat16 if pure_bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[HeldOut()])  # fmt: skip
@@ -301,16 +308,22 @@ def run_trl(args: argparse.Namespace, model: Path, data: tuple[Path, Path], work
         "min_digits": args.min_digits, "max_digits": args.max_digits, "val_examples": args.val_examples,
         "seed": args.seed, "prompts": args.prompts, "n": args.n, "micro_batch": args.micro_batch,
         "max_new_tokens": args.max_new_tokens, "lr": args.lr, "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
+        "trl_precision": args.trl_precision,
         "test_freq": args.test_freq, "budget_s": args.budget_s, "launched": time.time(),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    print("TRL GRPOTrainer (static cache, compiled decode, gradient checkpointing off)", flush=True)
+    print(
+        f"TRL GRPOTrainer (static cache, compiled decode, gradient checkpointing off, {args.trl_precision} "
+        "precision)",
+        flush=True,
+    )
     done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work, env=cold_compile_env(work, "trl"),
                           capture_output=True, text=True, timeout=args.budget_s + 600)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(Path(spec["result"]).read_text())
-    return Curve("TRL GRPOTrainer", [tuple(p) for p in result["points"]], result["steps"])
+    name = "TRL GRPOTrainer" + (" (bf16 weights)" if args.trl_precision == "bf16" else "")
+    return Curve(name, [tuple(p) for p in result["points"]], result["steps"])
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -384,6 +397,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--async-levels", default="0,1")
     p.add_argument("--no-trl", action="store_true")
     p.add_argument(
+        "--trl-precision",
+        choices=("mixed", "bf16"),
+        default="mixed",
+        help="TRL's weights on a GPU: mixed = fp32 weights under bf16 autocast, updated in fp32 as rlbus's "
+        "master copy is (default); bf16 = the weights in bf16, faster, small updates rounded away",
+    )
+    p.add_argument(
         "--budget-s", type=float, default=None, help="GRPO wall-clock seconds per system (GPU 180)"
     )
     p.add_argument("--pretrain-s", type=float, default=None, help="pretraining's cap (GPU 300)")
@@ -434,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         if level
     ]
     if not args.no_trl:
-        curves.append(measured(work, "trl", lambda: run_trl(args, model, data, work)))
+        curves.append(measured(work, f"trl-{args.trl_precision}", lambda: run_trl(args, model, data, work)))
     report(curves, pretrained, work, args)
     return 0
 
