@@ -142,6 +142,8 @@ def test_a_state_that_does_not_fit_turns_it_off_with_the_reason(tmp_path: Path) 
 
 @pytest.mark.gpu
 def test_the_copy_on_a_gpu_waits_only_in_the_next_optimizer_step(tmp_path: Path) -> None:
+    """The slot's copy and the rolling checkpoint's both read the step's weights before the next optimizer
+    step changes them."""
     if not torch.cuda.is_available():
         pytest.skip("the side-stream copy needs a GPU (the CPU path copies in place, tested above)")
     trainer = make_trainer(0)
@@ -158,8 +160,13 @@ def test_the_copy_on_a_gpu_waits_only_in_the_next_optimizer_step(tmp_path: Path)
 
     step()
     saver.after_step(1, lambda: {"step": 1})
+    staging = saver.stage_for_disk(1)  # the rolling checkpoint's copy, behind the slot's on the side stream
+    assert staging is not None and staging.ready is not None
     expected = [p.detach().cpu().clone() for p in trainer.model.parameters()]
-    step()  # changes the weights only after the copy read them
+    step()  # changes the weights only after both copies read them
+    staging.ready.synchronize()
+    for key, value in zip(("0.weight", "0.bias", "2.weight", "2.bias"), expected, strict=True):
+        assert torch.equal(staging.state["model"][key], value)
     saver.after_step(2, lambda: {"step": 2})  # names step 1's slot
     found = find_memory_checkpoint(tmp_path / "shm", tmp_path / "run")
     assert found is not None and found.step == 1
@@ -246,3 +253,52 @@ def test_a_start_resumes_the_newer_and_drops_slots_it_does_not_resume(tmp_path: 
     assert isinstance(picked, MemoryCheckpoint) and picked.step == 5 and slots.exists()
     assert resume_source(cfg, run_dir, newer) == newer
     assert not slots.exists()  # another lineage's steps from now on: never preferred later
+
+
+def test_the_rolling_disk_checkpoint_is_staged_from_the_memory_copy(tmp_path: Path) -> None:
+    """With both checkpoints on, the rolling one's state is the memory checkpointer's second copy of the step
+    (on a GPU a side-stream copy, not staging on the step's thread): the checkpoint written holds that step,
+    though the next step changed the live tensors while it was being written."""
+    import asyncio
+    import copy
+
+    from rlbus.config.schema import RlbusConfig
+    from rlbus.learner.checkpoint import checkpoint_root, checkpoint_step, latest_checkpoint, load_checkpoint
+    from rlbus.learner.step_checkpoints import StepCheckpoints
+
+    run_dir = tmp_path / "run"
+    cfg = RlbusConfig(
+        run={"id": "r1"},
+        trainer={
+            "memory_checkpoint": "on",
+            "memory_checkpoint_dir": str(tmp_path / "shm"),
+            "rolling_checkpoint_budget": 0.05,
+        },
+    )
+    trainer = make_trainer(0)
+    trainer.par = SimpleNamespace(world_size=1)
+    checkpoints = StepCheckpoints(cfg, run_dir, trainer, lambda step: False, Log())
+    assert checkpoints.memory is not None and checkpoints.rolling is not None
+    train_step(trainer)
+    saved = copy.deepcopy((list(trainer.model.parameters()), optimizer_tensors(trainer)))
+    lr = trainer.optimizer.param_groups[0]["lr"]
+
+    async def step_then_write() -> None:
+        await checkpoints.after_step(1, 0.1, trainer, lambda: {"step": 1}, None, False)
+        train_step(trainer)  # the live state moves on while the write is in flight
+        await checkpoints.flush()
+
+    asyncio.run(step_then_write())
+    assert checkpoints.memory.disk_buffer is not None  # staged from the memory checkpointer's copy
+    written = latest_checkpoint(checkpoint_root(run_dir, cfg.trainer.default_local_dir))
+    assert written is not None and checkpoint_step(written) == 1
+
+    other = make_trainer(1)
+    train_step(other)
+    assert load_checkpoint(written, other) == {"step": 1}
+    for a, b in zip(saved[0], other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(saved[1], optimizer_tensors(other), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert other.optimizer.param_groups[0]["lr"] == lr and other.scheduler.last_epoch == 1
+    asyncio.run(checkpoints.finish())

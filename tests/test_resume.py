@@ -111,14 +111,14 @@ def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
 ) -> None:
     """From a save_freq checkpoint, from the rolling one of the newest step (written in the background,
     rlbus.learner.rolling_checkpoint), or from the memory one of every step (rlbus.learner.memory_checkpoint;
-    or from the disk one when the memory one's slot is gone): each way the resumed run ends with the
-    uninterrupted run's weights."""
+    or, when the memory one's slot is gone, from the rolling one staged from the memory checkpointer's copy):
+    each way the resumed run ends with the uninterrupted run's weights."""
     t0 = time.monotonic()
     run_b = f"{run_id}b"
     shm = tmp_path / "shm"
     common = [
         *COMMON,
-        f"trainer.rolling_checkpoint_budget={0.05 if mode == 'rolling' else 0}",
+        f"trainer.rolling_checkpoint_budget={0.05 if mode in ('rolling', 'memory_lost') else 0}",
         f"trainer.memory_checkpoint={'on' if mode.startswith('memory') else 'off'}",
         f"trainer.memory_checkpoint_dir={shm}",
     ]

@@ -10,13 +10,15 @@ named the resumable one (by the marker, `latest.msgpack`, replaced atomically) o
 landed, so a kill in the middle of a copy leaves the other slot whole.
 
 The memory outlives the process, not the machine, the container's removal or the pod: the disk checkpoints
-(save_freq's, and the rolling one within its budget) cover those. One learner process only (FSDP2 ranks
+(save_freq's, and the rolling one within its budget) cover those. When the rolling one is due, the same side
+stream copies the step once more into a buffer of this process for it to write (`stage_for_disk`). One learner process only (FSDP2 ranks
 save collectively at save_freq).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -94,10 +96,20 @@ class Pending:
     slot: int
     record: dict[str, Any] = field(default_factory=dict)  # the marker's content once it lands
     events: tuple[Any, Any] | None = None  # the copy's start and end on the side stream (a GPU's)
+    fence: Any = None  # the side stream's last copy of this step's state (the disk one's, after the slot's)
 
     @property
     def done(self) -> Any:
         return self.events[1] if self.events else None
+
+
+@dataclass(frozen=True)
+class DiskStaging:
+    """A step's state copied once more, into this process's memory, for the rolling disk checkpoint."""
+
+    state: dict[str, Any]  # model and optim (and critic) as state_tree gives them, tensors in the host buffer
+    record: dict[str, Any]  # the step's meta and rng, as the memory slot's marker holds them
+    ready: Any  # the copy's end on the side stream (the writer waits for it); None once copied
 
 
 class MemoryCheckpointer:
@@ -122,6 +134,9 @@ class MemoryCheckpointer:
         self.tensors: list[torch.Tensor] = []  # the live state tensors, in `entries` order
         self.scalars: list[list[Any]] = []  # the state tree's other leaves (key, value)
         self.packed: PackedCopy | None = None
+        self.slot_size = 0
+        self.disk_buffer: Slot | None = None  # the rolling disk checkpoint's copy (made on first use)
+        self.last_record: dict[str, Any] | None = None  # the last step copied: its marker content
         self.steps = 0
         self.token = run_token(run_dir)
         self._hooks = [opt.register_step_pre_hook(self._before_optimizer_step) for opt in optimizers(trainer)]
@@ -129,7 +144,8 @@ class MemoryCheckpointer:
     def _before_optimizer_step(self, *_: Any) -> None:
         """The weights change next: the copy in flight must have read them first (a wait on the GPU)."""
         if self.pending is not None and self.pending.done is not None:
-            torch.cuda.current_stream().wait_event(self.pending.done)
+            fence = self.pending.fence
+            torch.cuda.current_stream().wait_event(fence if fence is not None else self.pending.done)
 
     def _allocate(self, leaves: list[tuple[str, Any]]) -> bool:
         entries, size = plan_layout(leaves)
@@ -147,7 +163,7 @@ class MemoryCheckpointer:
             self.off_reason = reason
             self.log.warning("memory checkpoint off: the state does not fit", detail=reason)
             return False
-        self.entries = entries
+        self.entries, self.slot_size = entries, size
         self._take(leaves)
         layout = json.dumps({"entries": [e.__dict__ for e in entries], "scalars": self.scalars})
         self.layout_id = hashlib.sha1(layout.encode()).hexdigest()[:16]
@@ -210,6 +226,7 @@ class MemoryCheckpointer:
             "token": self.token,
         }
         self.pending = Pending(step, slot_index, record, events)
+        self.last_record = record
         if events is None:
             self._commit()  # a CPU copy has landed already
         paid = time.perf_counter() - t0
@@ -236,6 +253,36 @@ class MemoryCheckpointer:
             self.packed.copy_into(slot)
             end.record(self.stream)
         return start, end
+
+    def stage_for_disk(self, step: int) -> DiskStaging | None:
+        """`step`, just copied to its slot, copied once more into a buffer of this process for the rolling disk
+        checkpoint: on a GPU on the side stream behind the slot's copy, so the step's thread pays no staging
+        and the next optimizer step waits for both copies. None (stage it the usual way) when `step` was not
+        copied here or the state's tensors are no longer the ones held."""
+        record = self.last_record
+        if self.off_reason is not None or self.entries is None or record is None or record["step"] != step:
+            return None
+        leaves, spec = tensor_leaves(self.trainer)
+        live = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor)]
+        held = [(e.key, t.data_ptr()) for e, t in zip(self.entries, self.tensors, strict=True)]
+        if [(k, v.data_ptr()) for k, v in live] != held:
+            return None
+        if self.disk_buffer is None:
+            self.disk_buffer = Slot(None, self.slot_size, self.entries, self.stream is not None)
+        buffer, ready = self.disk_buffer, None
+        if self.stream is not None and self.packed is not None:
+            with torch.cuda.stream(self.stream):
+                self.packed.copy_into(buffer)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            if self.pending is not None and self.pending.step == step:
+                self.pending.fence = ready
+        else:
+            for view, value in zip(buffer.views.values(), self.tensors, strict=True):
+                view.copy_(value.detach())
+        values = [buffer.views[k] if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in leaves]
+        state = tree_unflatten(values, spec)
+        return DiskStaging(state, copy.deepcopy(record), ready)
 
     def _commit(self) -> None:
         pending, self.pending = self.pending, None

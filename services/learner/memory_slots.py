@@ -86,28 +86,34 @@ def clear_cuda_error() -> None:
 
 
 class Slot:
-    """One file in tmpfs, mapped as bytes and carved into a view per tensor (pinned for a GPU's copies)."""
+    """One file in tmpfs, mapped as bytes and carved into a view per tensor (pinned for a GPU's copies); or,
+    with no path, the same in this process's memory (the rolling disk checkpoint's copy of a step)."""
 
-    def __init__(self, path: Path, size: int, entries: list[Entry], pin: bool) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on a page fault mid-copy
-        finally:
-            os.close(fd)
+    def __init__(self, path: Path | None, size: int, entries: list[Entry], pin: bool) -> None:
         self.path = path
-        self.bytes = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        self.pinned = False
-        if pin:
-            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0)
-            self.pinned = int(err) == 0
-            if not self.pinned:
-                clear_cuda_error()
+        self.registered = False  # pinned by cudaHostRegister (a mapped file), undone at close
+        if path is None:
+            self.bytes = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self.pinned = pin
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on a page fault mid-copy
+            finally:
+                os.close(fd)
+            self.bytes = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self.pinned = False
+            if pin:
+                err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), size, 0)
+                self.pinned = self.registered = int(err) == 0
+                if not self.pinned:
+                    clear_cuda_error()
         self.views = {e.key: view_of(self.bytes, e) for e in entries}
 
     def close(self) -> None:
-        if self.pinned:
+        if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-            self.pinned = False
+            self.registered = False
 
 
 class PackedCopy:

@@ -1,7 +1,8 @@
 """A rolling checkpoint of the newest step, so a learner restart retrains at most a step or so, not up to
 `trainer.save_freq - 1` steps (each restart did: 4 learner kills in a fault run cost up to 36 steps).
 
-The step pays for staging: model and optimizer state copied to host memory. Writing them (DCP files, the
+The step pays for staging: model and optimizer state copied to host memory (with the memory checkpoint on, a
+GPU's default, the memory checkpointer makes that copy on its side stream instead: `stager`). Writing them (DCP files, the
 JSON, the HF files, the COMPLETE marker, the rename) runs in a thread while the next steps train, and slows
 them a little (the writer threads share the host). How often a step stages is a pure decision (`rolling_due`):
 when the last checkpoint's whole cost (its staging plus what the steps during its write took beyond a step
@@ -117,6 +118,7 @@ class Staged:
     model: Any  # for its config (HF files)
     tokenizer: Any
     t0: float
+    ready: Any = None  # a CUDA event the state's copy ends with (staged on a side stream); None: copied
 
 
 def stage(
@@ -147,6 +149,8 @@ def write(staged: Staged) -> Path:
     """Everything staged onto disk as a complete checkpoint (same layout as save_checkpoint's)."""
     import torch.distributed.checkpoint as dcp
 
+    if staged.ready is not None:
+        staged.ready.synchronize()  # the state's copy into host memory has landed
     tmp = staged.path.with_name(staged.path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -178,10 +182,17 @@ class RollingCheckpointer:
         self._write_done = threading.Event()
 
     async def after_step(
-        self, step: int, step_s: float, trainer: Any, extra: Callable[[], dict[str, Any]], tokenizer: Any
+        self,
+        step: int,
+        step_s: float,
+        trainer: Any,
+        extra: Callable[[], dict[str, Any]],
+        tokenizer: Any,
+        stager: Callable[[Path], Staged | None] | None = None,
     ) -> float:
         """Stage `step` when due and the last write is done (a step never waits for the disk), and start
-        writing it; returns the seconds the step paid."""
+        writing it; returns the seconds the step paid. `stager` stages it another way when it can (from the
+        memory checkpoint's copy); else `stage` copies the state here."""
         # the writer thread's own flag: the future wrapping it completes only once the event loop turns
         writing = self._writing is not None and not self._write_done.is_set()
         self.cost.step(step_s, writing)
@@ -190,7 +201,11 @@ class RollingCheckpointer:
         await self.flush()  # done already: only collects its outcome
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
-        staged = stage(path, trainer, extra(), tokenizer, self.host)  # the step's own thread: no hop, no race
+        staged = (
+            stager(path) if stager is not None else None
+        ) or stage(  # the step's thread: no hop, no race
+            path, trainer, extra(), tokenizer, self.host
+        )
         stage_s = time.perf_counter() - t0
         self.cost.staged(stage_s)
         self.staged_total_s += stage_s
