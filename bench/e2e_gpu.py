@@ -188,7 +188,23 @@ def run_rlbus(
         values = [float(r[key]) for r in rows[warmup:] if key in r]
         if values:
             print(f"  {key}: {statistics.median(values):.4f} s", flush=True)
+    print_step_parts(rows[warmup:], args.prompts)
     return out
+
+
+def print_step_parts(rows: list[dict], groups: int) -> None:
+    """Where each measured step went: the learner's training, its wait for the batch, the replicas' generation
+    of a step's groups (the GPU's other user at async_level=1) and the push: so a slow step says which part
+    was slow."""
+    parts = {"train": "timing/train_s", "wait": "timing/wait_batch_s", "push": "timing/weight_push_s"}
+    print(
+        "  step s = train + wait for the batch + push (+ the rest); generation s in the replicas:", flush=True
+    )
+    for r in rows:
+        values = " ".join(f"{name} {float(r.get(key, float('nan'))):.3f}" for name, key in parts.items())
+        generation = float(r.get("timing/generate_s_per_group", float("nan"))) * groups
+        print(f"    step {int(r.get('step', 0))}: {float(r['timing/step_s']):.3f} = {values}; generation "
+              f"{generation:.3f}", flush=True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- TRL

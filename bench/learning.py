@@ -312,11 +312,9 @@ def run_trl(args: argparse.Namespace, model: Path, data: tuple[Path, Path], work
         "test_freq": args.test_freq, "budget_s": args.budget_s, "launched": time.time(),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"TRL GRPOTrainer (static cache, compiled decode, gradient checkpointing off, {args.trl_precision} "
-        "precision)",
-        flush=True,
-    )
+    decode = "static cache, compiled decode" if args.device == "cuda" else "its default decode"
+    precision = f"{args.trl_precision} precision" if args.dtype == "bfloat16" else "float32"
+    print(f"TRL GRPOTrainer ({decode}, gradient checkpointing off, {precision})", flush=True)
     done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work, env=cold_compile_env(work, "trl"),
                           capture_output=True, text=True, timeout=args.budget_s + 600)  # fmt: skip
     if done.returncode != 0:
