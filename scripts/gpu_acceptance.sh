@@ -10,9 +10,11 @@
 #     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine,
 #     first with LEARNING_ARGS="--budget-s 120 --no-trl", then plainly; the second reuses the model and the
 #     curves left in $LEARNING_WORK.
+#   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
+#                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
 set -uo pipefail
-part=${1:?part 0, 1, 2 or 3}
+part=${1:?part 0, 1, 2, 3 or 4}
 results=${RESULTS:-./gpu-results}
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
@@ -50,8 +52,13 @@ case $part in
     | grep -v "Loading weights" | tee "$results/learning.log" | grep -v "rlbus up run.id" | tail -30
   cp "$work"/learning.png "$work"/learning.json "$work"/curve-*.json "$results"/ 2>/dev/null
   ;;
+4)
+  # the learner against the hand-written bf16 loop, eager and compiled, MFU against the nominal and measured peak
+  timeout 570 "$py" bench/learner.py --warmup 2 --steps 4 --configs "${LEARNER_CONFIGS:-plain-bf16,plain-bf16+compile,rlbus}" \
+    --out "$results/learner.json" 2>&1 | grep -v "Loading weights" | tee "$results/learner.log" | tail -20
+  ;;
 *)
-  echo "unknown part $part (0, 1, 2 or 3)" >&2
+  echo "unknown part $part (0, 1, 2, 3 or 4)" >&2
   exit 2
   ;;
 esac
