@@ -3,7 +3,8 @@
 #   bash scripts/gpu_acceptance.sh 0   # make test-gpu
 #   bash scripts/gpu_acceptance.sh 1   # a plain `rlbus up` with a timestamp on every console line (and its services'
 #                                      # logs: up-logs.tgz), checkpoint cost,
-#                                      # decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128, fused and not,
+#                                      # decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128, against generate's;
+#                                      # DECODE_ENGINES=hf,hf-unfused,hf-unplanned adds the unfused engine, 70 s more;
 #                                      # one more batch profiled: rollout.log)
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
 #   bash scripts/gpu_acceptance.sh 3   # bench/learning.py (pretrain on the spot, then rlbus a0/a1 and TRL)
@@ -37,7 +38,7 @@ case $part in
   echo "== checkpoint cost, 0.5B shape"
   timeout 200 "$py" bench/checkpoint.py --steps 15 --rounds 3 2>&1 | grep -E "GB of|round|median|memory:|off"
   echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
-  timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines hf,hf-unfused,hf-unplanned \
+  timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines "${DECODE_ENGINES:-hf,hf-unplanned}" \
     --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
     --pushes 0 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16
