@@ -18,7 +18,7 @@ from rlbus.config import RlbusConfig, save_config
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
-from rlbus.preforked import ForkedService
+from rlbus.preforked import ForkedService, start_server
 from rlbus.refusal_hold import ON_REFUSAL_ENV
 from rlbus.service import EXIT_REFUSED
 from rlbus.supervisor import Action, Supervisor
@@ -400,6 +400,8 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         return EXIT_REFUSED
     from rlbus.config.warnings import inert_key_warnings
 
+    if cfg.run.service_start == "fork":
+        start_server()  # its imports overlap the run's preparation below
     for warning in inert_key_warnings(cfg):
         print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
     from rlbus.config.verl_defaults import defaults_block

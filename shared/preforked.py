@@ -25,14 +25,28 @@ PRELOAD = ["rlbus.preload"]  # imported once in the server, inherited by every c
 ENTRY_POINT = "rlbus.cli:main"  # what each child runs with its argv, as the `rlbus` console script does
 
 
+def _context() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def start_server() -> None:
+    """Starts the server now, without waiting for it: it imports PRELOAD (seconds, more on a machine whose
+    disk cache is cold) while the launcher still prepares the run (its NATS server, users, streams), rather
+    than after. The first fork waits for the imports to end."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
 class ForkedService:
     """A service forked from the preloaded server, with the part of `subprocess.Popen` the launcher uses."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         log_path.touch()  # exists once we return, as a Popen child's redirected output does
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        self._process = context.Process(
+        self._process = _context().Process(
             target=_service_main, args=(argv, env, str(log_path)), name=argv[0], daemon=False
         )
         self._process.start()
