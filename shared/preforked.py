@@ -26,6 +26,7 @@ ENTRY_POINT = "rlbus.cli:main"  # what each child runs with its argv, as the `rl
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
+    """Python's forkserver, told what to import once."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context

@@ -11,8 +11,8 @@ landed, so a kill in the middle of a copy leaves the other slot whole.
 
 The memory outlives the process, not the machine, the container's removal or the pod: the disk checkpoints
 (save_freq's, and the rolling one within its budget) cover those. When the rolling one is due, the same side
-stream copies the step once more into a buffer of this process for it to write (`stage_for_disk`). One learner process only (FSDP2 ranks
-save collectively at save_freq).
+stream copies the step once more into a buffer of this process for it to write (`stage_for_disk`). One
+learner process only (FSDP2 ranks save collectively at save_freq).
 """
 
 from __future__ import annotations

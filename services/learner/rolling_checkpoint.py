@@ -2,9 +2,9 @@
 `trainer.save_freq - 1` steps (each restart did: 4 learner kills in a fault run cost up to 36 steps).
 
 The step pays for staging: model and optimizer state copied to host memory (with the memory checkpoint on, a
-GPU's default, the memory checkpointer makes that copy on its side stream instead: `stager`). Writing them (DCP files, the
-JSON, the HF files, the COMPLETE marker, the rename) runs in a thread while the next steps train, and slows
-them a little (the writer threads share the host). How often a step stages is a pure decision (`rolling_due`):
+GPU's default, the memory checkpointer makes that copy on its side stream instead: `stager`). Writing them
+(DCP files, the JSON, the HF files, the COMPLETE marker, the rename) runs in a thread while the next steps
+train, and slows them a little (the writer threads share the host). How often a step stages is a pure decision (`rolling_due`):
 when the last checkpoint's whole cost (its staging plus what the steps during its write took beyond a step
 without one), spread over the steps since, is within `trainer.rolling_checkpoint_budget` of a step's time
 (on an H100 at the 0.5B shape, staging alone was 3.5% of the steps and the write's slowdown another 1.7%).
@@ -201,11 +201,9 @@ class RollingCheckpointer:
         await self.flush()  # done already: only collects its outcome
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
-        staged = (
-            stager(path) if stager is not None else None
-        ) or stage(  # the step's thread: no hop, no race
-            path, trainer, extra(), tokenizer, self.host
-        )
+        staged = stager(path) if stager is not None else None
+        if staged is None:  # the step's own thread: no hop, no race
+            staged = stage(path, trainer, extra(), tokenizer, self.host)
         stage_s = time.perf_counter() - t0
         self.cost.staged(stage_s)
         self.staged_total_s += stage_s
