@@ -392,6 +392,10 @@ def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> 
 
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
+    if cfg.run.service_start == "fork":
+        # its imports overlap the launcher's own (torch, for the GPU count) and the run's preparation; a
+        # refused run leaves it to finish them and exit on its own
+        start_server()
     gpus = visible_gpus()
     refused = start_problems(cfg, gpus)
     if refused:
@@ -400,8 +404,6 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         return EXIT_REFUSED
     from rlbus.config.warnings import inert_key_warnings
 
-    if cfg.run.service_start == "fork":
-        start_server()  # its imports overlap the run's preparation below
     for warning in inert_key_warnings(cfg):
         print(f"rlbus: warning: {warning}", file=sys.stderr, flush=True)
     from rlbus.config.verl_defaults import defaults_block
