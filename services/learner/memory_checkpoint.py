@@ -187,8 +187,7 @@ class MemoryCheckpointer:
     def _recheck(self) -> bool:
         """Whether the state's tensors are still the ones held (an optimizer could replace its state)."""
         leaves, _ = tensor_leaves(self.trainer)
-        live = [v for _, v in leaves if isinstance(v, torch.Tensor)]
-        if [(t.data_ptr(), t.shape) for t in live] == [(t.data_ptr(), t.shape) for t in self.tensors]:
+        if self._holds(leaves):
             return True
         if plan_layout(leaves)[0] != self.entries:
             self.off_reason = "the state's layout changed"
@@ -240,6 +239,11 @@ class MemoryCheckpointer:
         self.paid_s += paid
         return paid
 
+    def _holds(self, leaves: list[tuple[str, Any]]) -> bool:
+        """Whether `leaves`' tensors are the ones held, in order."""
+        live = [v for _, v in leaves if isinstance(v, torch.Tensor)]
+        return [(t.data_ptr(), t.shape) for t in live] == [(t.data_ptr(), t.shape) for t in self.tensors]
+
     def _copy(self, slot: Slot) -> tuple[Any, Any] | None:
         """The state into `slot`: packed on the side stream (returns its start and end events), or in place."""
         if self.stream is None or self.packed is None:
@@ -263,23 +267,15 @@ class MemoryCheckpointer:
         if self.off_reason is not None or self.entries is None or record is None or record["step"] != step:
             return None
         leaves, spec = tensor_leaves(self.trainer)
-        live = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor)]
-        held = [(e.key, t.data_ptr()) for e, t in zip(self.entries, self.tensors, strict=True)]
-        if [(k, v.data_ptr()) for k, v in live] != held:
+        if not self._holds(leaves):
             return None
         if self.disk_buffer is None:
             self.disk_buffer = Slot(None, self.slot_size, self.entries, self.stream is not None)
-        buffer, ready = self.disk_buffer, None
-        if self.stream is not None and self.packed is not None:
-            with torch.cuda.stream(self.stream):
-                self.packed.copy_into(buffer)
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
-            if self.pending is not None and self.pending.step == step:
-                self.pending.fence = ready
-        else:
-            for view, value in zip(buffer.views.values(), self.tensors, strict=True):
-                view.copy_(value.detach())
+        buffer = self.disk_buffer
+        events = self._copy(buffer)  # on the side stream, behind the slot's copy of the same state
+        ready = events[1] if events is not None else None
+        if ready is not None and self.pending is not None and self.pending.step == step:
+            self.pending.fence = ready
         values = [buffer.views[k] if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in leaves]
         state = tree_unflatten(values, spec)
         return DiskStaging(state, copy.deepcopy(record), ready)
