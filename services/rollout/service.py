@@ -36,6 +36,7 @@ class Replica:
         self.version_changed = asyncio.Condition()
         self.last_announcement: tuple[int, int] | None = None  # (epoch, version) last taken part in
         self.joined_epoch: int | None = None  # the torch group this process is a member of
+        self.last_pass_s = 0.0  # the engine's last generation call: what a partial batch may wait for more
 
     async def _set_version(self, version: int) -> None:
         async with self.version_changed:
@@ -216,6 +217,7 @@ class Replica:
             t0 = time.perf_counter()
             results = await asyncio.to_thread(self.engine.generate, requests)
             elapsed = time.perf_counter() - t0
+        self.last_pass_s = elapsed
         groups, tokens = [], 0
         for work, completions in zip(works, results, strict=True):
             samples = [
@@ -317,6 +319,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.model_source import resolve_model_path
     from rlbus.rollout.admission import limits_for
+    from rlbus.rollout.batching import fetch_batch, linger_after
     from rlbus.rollout.engines.factory import build_engine
     from rlbus.weight_transport import device_place
 
@@ -351,7 +354,8 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 exc = weights.exception()
                 ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
                 weights = asyncio.create_task(replica.weight_loop())
-            deliveries = await consumer.fetch(batch=cfg.rollout.prompts_per_batch, timeout=1.0)
+            linger_s = linger_after(replica.last_pass_s)
+            deliveries: list = await fetch_batch(consumer, cfg.rollout.prompts_per_batch, 1.0, linger_s)
             again = [d for d in deliveries if d.num_delivered > 1]
             if again:  # a replica died (or timed out) holding this work, or it was nak'ed back
                 ctx.log.info(
