@@ -16,11 +16,12 @@ from rlbus.bus.fan_in import WorkConsumer
 
 LINGER_SHARE = 0.1  # a partial batch waits at most this share of the last generation pass for the rest
 LINGER_MAX_S = 0.1
-LINGER_MIN_S = 0.02  # below this a pass is cheap enough to run twice (and a shorter pull cannot be asked)
+LINGER_MIN_S = 0.02  # below this a pass is cheap enough to run twice
 
 
 def linger_after(last_pass_s: float) -> float:
-    """How long a partial batch waits for more work after each arrival: 0 where passes are cheap."""
+    """How long a partial batch waits for more work after each arrival: 0 where passes are cheap. A pull that
+    finds nothing more waits at least 50 ms (`Consumer.fetch`'s floor), so that is what a short wait costs."""
     linger = min(LINGER_SHARE * last_pass_s, LINGER_MAX_S)
     return linger if linger >= LINGER_MIN_S else 0.0
 
