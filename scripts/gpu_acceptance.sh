@@ -5,7 +5,8 @@
 #                                      # logs: up-logs.tgz), checkpoint cost,
 #                                      # decode tokens/s (bench/rollout.py, 0.5B shape, 512 x 128, against generate's;
 #                                      # DECODE_ENGINES=hf,hf-unfused,hf-unplanned adds the unfused engine, 70 s more;
-#                                      # one more batch profiled: rollout.log)
+#                                      # one more batch profiled: rollout.log; then one decode step's
+#                                      # attention per kernel: bench/decode_attention.py)
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
 #   bash scripts/gpu_acceptance.sh 3   # bench/learning.py (pretrain on the spot, then rlbus a0/a1 and TRL)
 #     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine,
@@ -42,6 +43,8 @@ case $part in
     --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
     --pushes 0 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16
+  echo "== one decode step's attention at that shape, per kernel"
+  timeout 120 "$py" bench/decode_attention.py 2>&1 | grep -vi warn
   ;;
 2)
   timeout 570 "$py" bench/e2e_gpu.py --async-levels 0,1 --trl-variants static --rounds 3 --warmup 2 --steps 5 \

@@ -1,7 +1,7 @@
 """The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
 configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/rollout.py` with the
 embedded engine's four decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
-rolling one, `bench/bus.py` on a short
+rolling one, `bench/decode_attention.py` with each attention kernel against the math one, `bench/bus.py` on a short
 setting with 1 and 2 partitions side by side, and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
 print them."""
@@ -149,3 +149,15 @@ def test_the_learning_bench_pretrains_a_model_that_rlbus_then_improves(tmp_path:
     assert abs(start - summary["pretrained"]["val_greedy"]) <= 0.05, (start, summary["pretrained"])
     assert len(curve["points"]) >= 4 and curve["gain"] >= 0.1, curve  # held-out accuracy rose under GRPO
     assert (tmp_path / "learning.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_decode_attention_bench_times_each_kernel_against_the_math_one() -> None:
+    done = run_bench(
+        ["bench/decode_attention.py", "--device", "cpu", "--rows", "8", "--iters", "2"], timeout=280
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    timed = dict(re.findall(r"^  (.+?) +[\d.]+ us a call +max \|diff\| vs math (\S+)$", done.stdout, re.M))
+    assert set(timed) == {"sdpa (its own pick)", "explicit", "sdpa math"}, done.stdout
+    assert all(float(diff) < 1e-5 for diff in timed.values()), timed
