@@ -4,12 +4,13 @@
 The step pays for staging: model and optimizer state copied to host memory (with the memory checkpoint on, a
 GPU's default, the memory checkpointer makes that copy on its side stream instead: `stager`). Writing them
 (DCP files, the JSON, the HF files, the COMPLETE marker, the rename) runs in a thread while the next steps
-train, and slows them a little (the writer threads share the host). How often a step stages is a pure decision (`rolling_due`):
-when the last checkpoint's whole cost (its staging plus what the steps during its write took beyond a step
-without one), spread over the steps since, is within `trainer.rolling_checkpoint_budget` of a step's time
-(on an H100 at the 0.5B shape, staging alone was 3.5% of the steps and the write's slowdown another 1.7%).
-The tiny demo stages every step; a model whose staging costs 20% of a step stages every 4th. One process only: FSDP2 ranks save
-collectively at save_freq (a background collective would race the training step's).
+train, and slows them a little (the writer threads share the host). How often a step stages is a pure decision
+(`rolling_due`): when the last checkpoint's whole cost (its staging plus what the steps during its write took
+beyond a step without one), spread over the steps since, is within `trainer.rolling_checkpoint_budget` of a
+step's time (on an H100 at the 0.5B shape, staging alone was 3.5% of the steps and the write's slowdown
+another 1.7%). The tiny demo stages every step; a model whose staging costs 20% of a step stages every 4th.
+One process only: FSDP2 ranks save collectively at save_freq (a background collective would race the training
+step's).
 """
 
 from __future__ import annotations

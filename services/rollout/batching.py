@@ -3,10 +3,11 @@
 The learner publishes a step's prompts together, but they reach the server over some milliseconds, and a
 JetStream pull answers with what is stored when its first message arrives: one fetch can catch a burst's
 first prompt alone. A decode pass costs about the same at 1 row as at 512 (it reads every weight per token
-either way), so generating that prompt alone and the rest after it doubled the step: on an H100 at 64 x 8 x
-128 (2026-12-05), generation took 0.83 s instead of 0.42 s in 12 of 30 measured steps. A replica that got
-part of a batch therefore waits a moment for the rest, bounded by a share of its last pass so that a batch
-that really is partial costs little.
+either way), so generating that prompt alone and the rest after it doubled the generation: on an H100 at
+64 x 8 x 128 (2026-12-05) it took 0.83 s instead of 0.42 s in 6 of 15 measured steps at async_level=0, and
+1.0-1.3 s instead of 0.63-0.83 s in 7 of 15 at async_level=1. A replica that got part of a batch therefore
+waits a moment for the rest, bounded by a share of its last pass so that a batch that really is partial
+costs little.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def linger_after(last_pass_s: float) -> float:
 
 
 async def fetch_batch(consumer: WorkConsumer, batch: int, timeout: float, linger_s: float) -> list[Delivery]:
-    """Up to `batch` deliveries, waiting at most `timeout` s for the first; while the batch is short, more that
-    arrive within `linger_s` of the last join it."""
+    """Up to `batch` deliveries, waiting at most `timeout` s for the first; while the batch is short, more
+    that arrive within `linger_s` of the last join it."""
     got = await consumer.fetch(batch=batch, timeout=timeout)
     while got and linger_s > 0 and len(got) < batch:
         more = await consumer.fetch(batch=batch - len(got), timeout=linger_s)
