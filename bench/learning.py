@@ -229,6 +229,25 @@ def run_rlbus(
 # ----------------------------------------------------------------------------------------------- TRL
 
 
+def static_cache_in_autocast_dtype() -> None:
+    """Under bf16 autocast with fp32 weights, rotary embedding leaves keys in fp32 while values come out of the
+    projection in bf16; transformers' static cache takes its dtype from the keys, so the values' copy into it
+    fails (index_copy_: Float and BFloat16). Cast both to the autocast dtype first: a bf16 cache, as rlbus's
+    engine keeps."""
+    import torch
+    from transformers.cache_utils import StaticLayer
+
+    update = StaticLayer.update
+
+    def update_in_autocast_dtype(self, key_states, value_states, *args, **kwargs):
+        if torch.is_autocast_enabled(key_states.device.type):
+            dtype = torch.get_autocast_dtype(key_states.device.type)
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    StaticLayer.update = update_in_autocast_dtype
+
+
 def trl_child(spec: dict) -> None:
     """GRPOTrainer in a process of its own (the GPU is free again after it), held-out greedy accuracy by a
     callback every `test_freq` steps, evaluation time taken off the clock."""
@@ -291,6 +310,8 @@ def trl_child(spec: dict) -> None:
     # under bf16's resolution (about 0.4% of a weight) is rounded away
     pure_bf16 = spec["dtype"] == "bfloat16" and spec["trl_precision"] == "bf16"
     dtype = torch.bfloat16 if pure_bf16 else torch.float32
+    if spec["dtype"] == "bfloat16" and not pure_bf16:
+        static_cache_in_autocast_dtype()
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[HeldOut()])  # fmt: skip
