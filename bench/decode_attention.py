@@ -4,8 +4,10 @@ On an H100 (2026-12-05) the profile of one 512 x 128 decode batch of the 0.5B sh
 in cuDNN's flash kernel, 46.8 us a call, where reading one layer's K and V (512 rows x 160 positions x 2 KV
 heads) takes about 7 us at the card's bandwidth: flash kernels tile the query axis, which holds only the 7
 folded query heads in decoding. This times one layer's masked attention (`rlbus.gqa_attention`'s folded
-layout, left padding) under torch.compile with each SDPA backend and written out as two matrix products
-around a softmax, and checks each against the math backend.
+layout, left padding) under torch.compile with each SDPA backend, written out as two matrix products around a
+softmax, and through FlexAttention (whose decoding kernel splits the KV axis), and checks each against the math
+backend. On a GPU the time is the kernels' own, replayed from a CUDA graph: one call's launch from Python
+costs more than its kernels at this shape (the first H100 run timed launches: 61-129 us for every variant).
 
     python bench/decode_attention.py                 # on the GPU: the e2e bench's decode shape
     python bench/decode_attention.py --device cpu --rows 16 --iters 5   # smoke
@@ -28,6 +30,30 @@ def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def flex_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """FlexAttention over the folded layout: the padding mask as a score modification."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def padded(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return torch.where(mask[b, 0, 0, kv_idx], score, -float("inf"))
+
+    return flex_attention(q, k, v, score_mod=padded)  # type: ignore[return-value]
+
+
+def flex_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """FlexAttention over the query heads as transformers lays them out ([B, H, 1, D]) with ``enable_gqa``:
+    its decoding kernel packs a KV head's query heads itself."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, kv_heads, groups, dim = q.shape
+
+    def padded(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return torch.where(mask[b, 0, 0, kv_idx], score, -float("inf"))
+
+    out = flex_attention(q.reshape(batch, kv_heads * groups, 1, dim), k, v, score_mod=padded, enable_gqa=True)
+    return out.reshape(batch, kv_heads, groups, dim)  # type: ignore[union-attr]
 
 
 def sdpa_with(backend: SDPBackend | None) -> Attention:
@@ -60,16 +86,17 @@ def inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
 
 
 def time_call(fn: Attention, args: argparse.Namespace, tensors: tuple[torch.Tensor, ...]) -> float:
-    """Microseconds per call, after warm-up (compile) calls."""
+    """Microseconds per call, after warm-up (compile) calls: on a GPU its kernels' time, replayed from a CUDA
+    graph (a call's launch costs more than its kernels here), on the CPU the wall clock."""
     for _ in range(3):
         fn(*tensors)
     if args.device == "cuda":
-        torch.cuda.synchronize()
+        from triton.testing import do_bench_cudagraph
+
+        return float(do_bench_cudagraph(lambda: fn(*tensors), rep=200)) * 1e3
     t0 = time.perf_counter()
     for _ in range(args.iters):
         fn(*tensors)
-    if args.device == "cuda":
-        torch.cuda.synchronize()
     return (time.perf_counter() - t0) / args.iters * 1e6
 
 
@@ -85,7 +112,12 @@ def main() -> None:
     args = p.parse_args()
     tensors = inputs(args)
     reference = sdpa_with(SDPBackend.MATH)(*tensors).float()
-    variants: dict[str, Attention] = {"sdpa (its own pick)": sdpa_with(None), "explicit": explicit}
+    variants: dict[str, Attention] = {
+        "sdpa (its own pick)": sdpa_with(None),
+        "explicit": explicit,
+        "flex, folded": flex_folded,
+        "flex, grouped heads": flex_grouped,
+    }
     if args.device == "cuda":
         variants |= {
             "sdpa cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
