@@ -1,6 +1,6 @@
 """The benchmarks run on the CPU box as shipped (make test-slow): `bench/learner.py --tiny` with its default
 configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/rollout.py` with the
-embedded engine's four decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
+embedded engine's five decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
 rolling one, `bench/decode_attention.py` with each attention kernel against the math one, `bench/bus.py` on a short
 setting with 1 and 2 partitions side by side, and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
@@ -54,7 +54,7 @@ def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_rollout_bench_compares_the_embedded_engine_with_its_unfused_unplanned_and_eager_decode(
+def test_the_rollout_bench_compares_the_embedded_engine_with_its_other_decode_paths(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "rollout.json"
@@ -65,7 +65,7 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unfused_unplann
             "64:2:128",
             "--ignore-eos",
             "--engines",
-            "hf,hf-unfused,hf-unplanned,hf-eager",
+            "hf,hf-unfused,hf-sdpa-decode,hf-unplanned,hf-eager",
             "--prompts",
             "3",
             "--n",
@@ -83,9 +83,10 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_unfused_unplann
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"hf", "hf-unfused", "hf-unplanned", "hf-eager"}
+    assert set(results) == {"hf", "hf-unfused", "hf-sdpa-decode", "hf-unplanned", "hf-eager"}
     assert all(r["mean_len"] == 6 and r["tokens_per_s"] > 0 for r in results.values()), results
     assert re.search(r"hf/hf-unplanned tokens/s ratio: [\d.]+x", done.stdout), done.stdout
+    assert re.search(r"hf/hf-sdpa-decode tokens/s ratio: [\d.]+x", done.stdout), done.stdout
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlbus.gqa_attention import GQA_SDPA, gqa_sdpa_attention_forward
+from rlbus.gqa_attention import GQA_SDPA, decodes_by_matmul, folded_gqa_sdpa, gqa_sdpa_attention_forward
 from rlbus.messages import SamplingParams
 from rlbus.modeling import load_causal_lm, response_logprobs
 from rlbus.rollout.engines.base import GenerationRequest
@@ -47,6 +47,29 @@ def test_folded_gqa_equals_repeated_kv(q_len: int, kv_len: int) -> None:
     got, _ = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
     assert got.shape == want.shape == (batch, q_len, kv_heads * groups, dim)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 40), (5, 23)])
+@pytest.mark.parametrize("additive", [False, True])
+def test_matmul_attention_equals_sdpa(q_len: int, kv_len: int, additive: bool) -> None:
+    """The decode step's matrix products give SDPA's attention, under a bool or an additive mask."""
+    torch.manual_seed(2)
+    batch, kv_heads, groups, dim = 3, 2, 7, 16
+    q = torch.randn(batch, kv_heads * groups, q_len, dim, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
+    mask = _padding_mask(batch, q_len, kv_len, pads=[0, 2, kv_len - q_len])
+    if additive:
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    want = folded_gqa_sdpa(q, k, v, mask, dim**-0.5)
+    got = folded_gqa_sdpa(q, k, v, mask, dim**-0.5, by_matmul=True)
+    torch.testing.assert_close(got, want.float().to(got.dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_only_a_gpu_decode_step_goes_by_matmul() -> None:
+    assert decodes_by_matmul(1, torch.device("cuda", 0))
+    assert not decodes_by_matmul(7, torch.device("cuda", 0))  # prefill or scoring: SDPA's kernels
+    assert not decodes_by_matmul(1, torch.device("cpu"))
 
 
 def test_no_mask_is_transformers_sdpa() -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import CompileConfig, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 
-from rlbus.gqa_attention import register_gqa_sdpa
+from rlbus.gqa_attention import GQA_SDPA_KERNELS, register_gqa_sdpa
 from rlbus.logs import get_logger
 from rlbus.messages import SamplingParams, WeightAnnouncement
 from rlbus.modeling import (
@@ -112,6 +112,8 @@ class HFEngine(RolloutEngine):
         if attn_implementation == "sdpa":
             # sdpa without copying the KV cache per query head under the padding mask (rlbus.gqa_attention)
             attn_implementation = register_gqa_sdpa()
+        elif attn_implementation == GQA_SDPA_KERNELS:  # the same with SDPA's kernels in decode (the bench's)
+            register_gqa_sdpa()
         self.tokenizer = load_tokenizer(self.model_path, trust_remote_code=trust_remote_code)
         self.model = load_causal_lm(
             self.model_path,
