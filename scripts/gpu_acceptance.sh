@@ -46,6 +46,8 @@ case $part in
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16
   echo "== one decode step's attention at that shape, per kernel"
   timeout 120 "$py" bench/decode_attention.py 2>&1 | grep -vi warn
+  echo "== the same over a longer cache (1024 response tokens): does the matrix-product decode still win?"
+  timeout 120 "$py" bench/decode_attention.py --cache 1056 2>&1 | grep -vi warn
   ;;
 2)
   timeout 570 "$py" bench/e2e_gpu.py --async-levels 0,1 --trl-variants static --rounds 3 --warmup 2 --steps 5 \
