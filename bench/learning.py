@@ -4,7 +4,8 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
 1. a Qwen2-shaped model (about 75M parameters on the GPU; `--tiny`: 0.3M) on rlbus's character tokenizer
    with a chat template, pretrained from scratch on long addition with its column steps written out
    (`worked_addition.py`), until greedy held-out accuracy reaches `--start-accuracy` (or `--pretrain-s`
-   runs out), so that RL has room to improve it;
+   runs out), so that RL has room to improve it; on the GPU with deterministic kernels, so the same card
+   rebuilds the same weights;
 2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
@@ -24,11 +25,18 @@ accuracy of each at TRL's last evaluation, and writes `learning.png` and `learni
     python bench/learning.py --tiny --no-trl        # CPU smoke (make test-slow): rlbus only, about a minute
     python bench/learning.py --work W --async-levels 0 --no-trl; python bench/learning.py --work W
                                                     # split over two calls: the second reuses W's model and curve
+
+A curve read back from W is used only if it started from the same weights (their SHA-256, `fingerprint`): on
+a new machine the second call pretrains again, and a model that came out different stops the bench rather
+than compare systems that started apart (on 2026-12-06 two H100s pretrained to 0.312 and 0.227). TRL's
+side is `learning_trl.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -36,11 +44,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worked_addition import CHAT_TEMPLATE, WorkedAddition, verl_rows
+from learning_trl import run_trl
+from worked_addition import CHAT_TEMPLATE, WorkedAddition, rendered, verl_rows
 
 BENCH = Path(__file__).resolve().parent
 REWARD_FILE = BENCH / "worked_addition.py"
@@ -103,28 +112,48 @@ def build(args: argparse.Namespace, task: WorkedAddition, work: Path) -> tuple[P
         f"model: Qwen2 {config.hidden_size}x{config.num_hidden_layers}, {params / 1e6:.1f}M parameters",
         flush=True,
     )
-    info = pretrain(args, model, tokenizer, task)
+    with deterministic_kernels(args.device):
+        info = pretrain(args, model, tokenizer, task)
     info["parameters"] = params
     out = work / "model"
     model.to(torch.float32).save_pretrained(str(out))
+    info["fingerprint"] = fingerprint(out)
     save_tokenizer(tokenizer, out)
     return out, info
 
 
-def rendered(tokenizer, examples: list) -> list:
-    """The examples with their prompts as the chat template renders them for generation (as both systems do)."""
-    from rlbus.tasks.base import Example
+@contextlib.contextmanager
+def deterministic_kernels(device: str) -> Iterator[None]:
+    """Pretraining that rebuilds the same model on the same kind of card: a bench split over two device calls
+    pretrains again in the second when the machine changed, and its curves compare only if it starts from the
+    same weights (`fingerprint` checks). cuBLAS reads its workspace setting when its first handle is made, in
+    the first step here; the systems launched later get the environment as it was."""
+    if device != "cuda":
+        yield
+        return
+    import torch
 
-    return [
-        Example(
-            prompt=tokenizer.apply_chat_template(
-                [{"role": "user", "content": ex.prompt}], tokenize=False, add_generation_prompt=True
-            ),
-            answer=ex.answer,
-            meta=ex.meta,
-        )
-        for ex in examples
-    ]
+    before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+        if before is None:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before
+
+
+def fingerprint(model_dir: Path) -> str:
+    """SHA-256 of the saved weights (first 16 hex digits): which pretrained model a curve started from."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def pretrain(args: argparse.Namespace, model, tokenizer, task: WorkedAddition) -> dict:
@@ -226,125 +255,6 @@ def run_rlbus(
     return curve
 
 
-# ----------------------------------------------------------------------------------------------- TRL
-
-
-def static_cache_in_autocast_dtype() -> None:
-    """Under bf16 autocast with fp32 weights, rotary embedding leaves keys in fp32 while values come out of the
-    projection in bf16; transformers' static cache takes its dtype from the keys, so the values' copy into it
-    fails (index_copy_: Float and BFloat16). Cast both to the autocast dtype first: a bf16 cache, as rlbus's
-    engine keeps."""
-    import torch
-    from transformers.cache_utils import StaticLayer
-
-    update = StaticLayer.update
-
-    def update_in_autocast_dtype(self, key_states, value_states, *args, **kwargs):
-        if torch.is_autocast_enabled(key_states.device.type):
-            dtype = torch.get_autocast_dtype(key_states.device.type)
-            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
-        return update(self, key_states, value_states, *args, **kwargs)
-
-    StaticLayer.update = update_in_autocast_dtype
-
-
-def trl_child(spec: dict) -> None:
-    """GRPOTrainer in a process of its own (the GPU is free again after it), held-out greedy accuracy by a
-    callback every `test_freq` steps, evaluation time taken off the clock."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from worked_addition import DATA_SOURCE, compute_score
-
-    from rlbus.modeling import load_tokenizer
-    from rlbus.tiny_model import evaluate_accuracy
-
-    # as rlbus loads it: AutoTokenizer would pick Qwen2's class for this config and drop spaces and newlines
-    tokenizer = load_tokenizer(spec["model"])
-    task = WorkedAddition(spec["min_digits"], spec["max_digits"])
-    val = rendered(tokenizer, task.make_examples("val", spec["val_examples"], seed=spec["seed"]))
-    points: list[tuple[float, float]] = []
-    eval_s = [0.0]
-
-    def correct(completions, ground_truth, **_kw):
-        return [
-            compute_score(DATA_SOURCE, c[-1]["content"], gt)
-            for c, gt in zip(completions, ground_truth, strict=True)
-        ]
-
-    class HeldOut(TrainerCallback):
-        def evaluate(self, model) -> None:
-            t0 = time.time()
-            acc = evaluate_accuracy(
-                model, tokenizer, task, val, temperature=0.0, max_new_tokens=spec["max_new_tokens"]
-            )
-            points.append((t0 - spec["launched"] - eval_s[0], acc))  # the clock without earlier evaluations
-            eval_s[0] += time.time() - t0
-
-        def on_train_begin(self, _args, _state, control, model=None, **_kw):
-            self.evaluate(model)
-
-        def on_step_end(self, _args, state, control, model=None, **_kw):
-            spent = time.time() - spec["launched"] - eval_s[0]
-            if state.global_step % spec["test_freq"] == 0 or spent >= spec["budget_s"]:
-                self.evaluate(model)
-            control.should_training_stop = spent >= spec["budget_s"]
-
-    config = GRPOConfig(
-        output_dir=spec["out"], per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=spec["prompts"] * spec["n"] // spec["micro_batch"], num_generations=spec["n"],
-        max_completion_length=spec["max_new_tokens"], learning_rate=spec["lr"], beta=0.0, temperature=spec["temperature"],
-        max_steps=100000, logging_steps=1, report_to="none", save_strategy="no", bf16=spec["dtype"] == "bfloat16",
-        tf32=spec["device"] == "cuda" and spec["trl_precision"] == "mixed",
-        use_cpu=spec["device"] == "cpu", cache_implementation="static" if spec["device"] == "cuda" else None,
-        gradient_checkpointing=False, seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(spec["train"]).to_pylist()
-    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows],
-                                 "ground_truth": [r["reward_model"]["ground_truth"] for r in rows]})  # fmt: skip
-    # mixed: fp32 weights, bf16 autocast (HF Trainer's mixed precision), so AdamW updates the fp32 weights as
-    # rlbus's optimizer updates its fp32 master copy; bf16: the weights themselves in bf16, where an update
-    # under bf16's resolution (about 0.4% of a weight) is rounded away
-    pure_bf16 = spec["dtype"] == "bfloat16" and spec["trl_precision"] == "bf16"
-    dtype = torch.bfloat16 if pure_bf16 else torch.float32
-    if spec["dtype"] == "bfloat16" and not pure_bf16:
-        static_cache_in_autocast_dtype()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype)
-    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[HeldOut()])  # fmt: skip
-    if spec["device"] == "cuda":
-        # the compiled static-cache decode that rlbus's engine uses
-        trainer.generation_config.disable_compile = False
-    trainer.train()
-    Path(spec["result"]).write_text(json.dumps({"points": points, "steps": trainer.state.global_step}))
-
-
-def run_trl(args: argparse.Namespace, model: Path, data: tuple[Path, Path], work: Path) -> Curve:
-    out = work / "trl"
-    spec = {
-        "out": str(out), "result": str(out / "result.json"), "model": str(model), "train": str(data[0]),
-        "min_digits": args.min_digits, "max_digits": args.max_digits, "val_examples": args.val_examples,
-        "seed": args.seed, "prompts": args.prompts, "n": args.n, "micro_batch": args.micro_batch,
-        "max_new_tokens": args.max_new_tokens, "lr": args.lr, "temperature": args.temperature, "dtype": args.dtype, "device": args.device,
-        "trl_precision": args.trl_precision,
-        "test_freq": args.test_freq, "budget_s": args.budget_s, "launched": time.time(),
-    }  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    decode = "static cache, compiled decode" if args.device == "cuda" else "its default decode"
-    precision = f"{args.trl_precision} precision" if args.dtype == "bfloat16" else "float32"
-    print(f"TRL GRPOTrainer ({decode}, gradient checkpointing off, {precision})", flush=True)
-    done = subprocess.run([sys.executable, __file__, "--trl-child", json.dumps(spec)], cwd=work, env=cold_compile_env(work, "trl"),
-                          capture_output=True, text=True, timeout=args.budget_s + 600)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(Path(spec["result"]).read_text())
-    name = "TRL GRPOTrainer" + (" (bf16 weights)" if args.trl_precision == "bf16" else "")
-    return Curve(name, [tuple(p) for p in result["points"]], result["steps"])
-
-
 # ----------------------------------------------------------------------------------------------- report
 
 
@@ -433,7 +343,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
     p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")
-    p.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
 
@@ -456,9 +365,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.trl_child:
-        trl_child(json.loads(args.trl_child))
-        return 0
     import tempfile
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rlbus-learning-")).resolve()
@@ -467,13 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     data = write_data(task, args, work)
     model, pretrained = reuse_model(work) or build(args, task, work)
     (work / "model" / "pretrained.json").write_text(json.dumps(pretrained))
+    weights = pretrained.get("fingerprint") or fingerprint(model)
     curves = [
-        measured(work, f"rlbus-a{level}", lambda level=int(level): run_rlbus(args, model, data, level, work))
+        measured(
+            work,
+            f"rlbus-a{level}",
+            weights,
+            lambda level=int(level): run_rlbus(args, model, data, level, work),
+        )
         for level in args.async_levels.split(",")
         if level
     ]
     if not args.no_trl:
-        curves.append(measured(work, f"trl-{args.trl_precision}", lambda: run_trl(args, model, data, work)))
+        trl = lambda: Curve(*run_trl(args, model, data, work, cold_compile_env(work, "trl")))  # noqa: E731
+        curves.append(measured(work, f"trl-{args.trl_precision}", weights, trl))
     report(curves, pretrained, work, args)
     return 0
 
@@ -487,15 +400,23 @@ def reuse_model(work: Path) -> tuple[Path, dict] | None:
     return info.parent, json.loads(info.read_text())
 
 
-def measured(work: Path, slug: str, run: Callable[[], Curve]) -> Curve:
-    """A system's curve: measured now, or read back from an earlier call in this `--work` folder."""
+def measured(work: Path, slug: str, weights: str, run: Callable[[], Curve]) -> Curve:
+    """A system's curve: measured now, or read back from an earlier call in this `--work` folder if it
+    started from the same pretrained weights (`fingerprint`); a curve of other weights stops the bench."""
     path = work / f"curve-{slug}.json"
     if path.exists():
         saved = json.loads(path.read_text())
+        if saved.get("model") != weights:
+            raise SystemExit(
+                f"{path} was measured from other pretrained weights ({saved.get('model')}, these are {weights}): "
+                "the curves would not compare; measure every system again in a fresh --work folder"
+            )
         print(f"{saved['name']}: reusing the curve measured earlier in {path}", flush=True)
         return Curve(saved["name"], [tuple(p) for p in saved["points"]], saved["steps"])
     curve = run()
-    path.write_text(json.dumps({"name": curve.name, "points": curve.points, "steps": curve.steps}))
+    path.write_text(
+        json.dumps({"name": curve.name, "points": curve.points, "steps": curve.steps, "model": weights})
+    )
     return curve
 
 

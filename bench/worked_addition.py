@@ -79,6 +79,20 @@ class WorkedAddition(Task):
         return reward, reward == 1.0
 
 
+def rendered(tokenizer, examples: list) -> list:
+    """The examples with their prompts as the chat template renders them for generation (as both systems do)."""
+    return [
+        Example(
+            prompt=tokenizer.apply_chat_template(
+                [{"role": "user", "content": ex.prompt}], tokenize=False, add_generation_prompt=True
+            ),
+            answer=ex.answer,
+            meta=ex.meta,
+        )
+        for ex in examples
+    ]
+
+
 def verl_rows(examples: list[Example], split: str) -> list[dict]:
     """The rows of a parquet in verl's schema (what examples/data_preprocess/gsm8k.py writes)."""
     return [
