@@ -123,7 +123,7 @@ class GatherHost(Protocol):
 class Gatherer:
     """Collects one batch of ready groups for the learner, and the validation answers that come with it."""
 
-    def __init__(self, learner: GatherHost, consumer: Any) -> None:
+    def __init__(self, learner: GatherHost, consumer: WorkConsumer[ReadyGroup]) -> None:
         self.learner = learner
         self.consumer = consumer
         self.overflow: list = []  # ready groups received while a full batch waited for validation
@@ -251,7 +251,9 @@ class Gatherer:
         return batch
 
     async def drain(
-        self, timeout_s: float, reopen: Callable[[WorkConsumer], Awaitable[WorkConsumer]]
+        self,
+        timeout_s: float,
+        reopen: Callable[[WorkConsumer[ReadyGroup]], Awaitable[WorkConsumer[ReadyGroup]]],
     ) -> None:
         """After the last step: settle what is still in flight as 'run_finished', for at most `timeout_s`.
         Once nothing has come for RECLAIM_AFTER_S, the consumer is made afresh by `reopen` (once): a delivery

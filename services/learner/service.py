@@ -433,7 +433,7 @@ class Learner:
         self.pusher.close()
         return 0
 
-    async def _ready_consumer(self) -> WorkConsumer:
+    async def _ready_consumer(self) -> WorkConsumer[ReadyGroup]:
         from rlbus.bus import Stage
 
         return await self.ctx.bus.consumer(
@@ -444,7 +444,7 @@ class Learner:
             max_deliver=self.cfg.bus.max_deliver,
         )
 
-    async def _reopened_ready_consumer(self, old: WorkConsumer) -> WorkConsumer:
+    async def _reopened_ready_consumer(self, old: WorkConsumer[ReadyGroup]) -> WorkConsumer[ReadyGroup]:
         """The ready stage's consumer made afresh: what the old one was handed and never settled (deliveries
         a lost connection dropped) goes to the new one at once, not after the 600 s ack wait."""
         from rlbus.bus import Stage

@@ -12,7 +12,7 @@ costs little.
 
 from __future__ import annotations
 
-from rlbus.bus.consumer import Delivery
+from rlbus.bus.consumer import Delivery, M
 from rlbus.bus.fan_in import WorkConsumer
 
 LINGER_SHARE = 0.1  # a partial batch waits at most this share of the last generation pass for the rest
@@ -27,7 +27,9 @@ def linger_after(last_pass_s: float) -> float:
     return linger if linger >= LINGER_MIN_S else 0.0
 
 
-async def fetch_batch(consumer: WorkConsumer, batch: int, timeout: float, linger_s: float) -> list[Delivery]:
+async def fetch_batch(
+    consumer: WorkConsumer[M], batch: int, timeout: float, linger_s: float
+) -> list[Delivery[M]]:
     """Up to `batch` deliveries, waiting at most `timeout` s for the first; while the batch is short, more
     that arrive within `linger_s` of the last join it."""
     got = await consumer.fetch(batch=batch, timeout=timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 from rlbus.bus.keepalive import held_work_ack_wait, keepalive_every, kept_alive
 from rlbus.config import RlbusConfig
@@ -22,6 +23,12 @@ from rlbus.messages import (
     encode,
 )
 from rlbus.service import ServiceContext, run_service
+
+if TYPE_CHECKING:
+    from rlbus.bus.consumer import Delivery
+    from rlbus.rollout.admission import RequestLimits
+
+    Work = Delivery[PromptWork]  # one prompt's work item, as the replica fetches it
 
 SUPERSEDED_CHECK_S = 2.0  # how long a replica asks whether a newer weight push is out before joining this one
 
@@ -44,7 +51,7 @@ class Replica:
             self.ctx.policy_version = version
             self.version_changed.notify_all()
 
-    async def wait_for_version(self, needed: int, timeout_s: float, deliveries: list) -> bool:
+    async def wait_for_version(self, needed: int, timeout_s: float, deliveries: list[Work]) -> bool:
         """Waits until our weights are at least `needed`, keeping the held work alive meanwhile."""
         deadline = time.monotonic() + timeout_s
         while self.version < needed:
@@ -244,7 +251,7 @@ class Replica:
         return groups, tokens
 
 
-async def admit(ctx: ServiceContext, deliveries: list, limits) -> list:
+async def admit(ctx: ServiceContext, deliveries: list[Work], limits: RequestLimits) -> list[Work]:
     """The deliveries the engine may take; the others are dead-lettered, each with its reason."""
     from rlbus.rollout.admission import rejection
 
@@ -258,13 +265,13 @@ async def admit(ctx: ServiceContext, deliveries: list, limits) -> list:
     return admitted
 
 
-async def park(ctx: ServiceContext, delivery, reason: str) -> None:
+async def park(ctx: ServiceContext, delivery: Work, reason: str) -> None:
     """Dead-letter one work item the engine must not (or could not) take; the service goes on."""
     ctx.log.error("work item dead-lettered", prompt_id=delivery.message.prompt_id, reason=reason)
     await delivery.dead_letter(reason)
 
 
-async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
+async def drop_orphans(ctx: ServiceContext, deliveries: list[Work]) -> list[Work]:
     """Work that needs a policy version above the learner's current one was dispatched by a learner attempt
     that died after pushing it (the learner only dispatches versions it delivered): the resumed learner
     dropped it and dispatched its data again, so waiting for that version would only hold this replica."""
@@ -295,7 +302,7 @@ async def drop_orphans(ctx: ServiceContext, deliveries: list) -> list:
     return kept
 
 
-async def hand_on(ctx: ServiceContext, delivery, outcome: TrajectoryGroup | Exception) -> None:
+async def hand_on(ctx: ServiceContext, delivery: Work, outcome: TrajectoryGroup | Exception) -> None:
     """Publish one prompt's trajectories, then ack its work; an item that alone broke the engine is parked."""
     from rlbus.bus import Stage
 
@@ -355,7 +362,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
                 weights = asyncio.create_task(replica.weight_loop())
             linger_s = linger_after(replica.last_pass_s)
-            deliveries: list = await fetch_batch(consumer, cfg.rollout.prompts_per_batch, 1.0, linger_s)
+            deliveries = await fetch_batch(consumer, cfg.rollout.prompts_per_batch, 1.0, linger_s)
             again = [d for d in deliveries if d.num_delivered > 1]
             if again:  # a replica died (or timed out) holding this work, or it was nak'ed back
                 ctx.log.info(

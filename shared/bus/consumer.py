@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar, cast
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -26,6 +26,8 @@ from rlbus.bus.subjects import Stage
 from rlbus.codec import CodecError
 from rlbus.messages import Message, MessageError, decode
 
+M = TypeVar("M", bound=Message)  # the message type a consumer's stage carries
+
 
 class ConsumerBus(Protocol):
     """What a consumer asks of its bus: its client (an ack ends when it disconnects), claim-check bytes, the
@@ -42,10 +44,10 @@ class ConsumerBus(Protocol):
     async def _publish_dead_letter(self, stage: Stage, msg: Msg, reason: str, consumer: str) -> bool: ...
 
 
-class Delivery:
+class Delivery(Generic[M]):
     """One validated work item. Settle it exactly once: ack, nak, term or dead_letter."""
 
-    def __init__(self, consumer: Consumer, msg: Msg, message: Message, claim: str | None) -> None:
+    def __init__(self, consumer: Consumer[M], msg: Msg, message: M, claim: str | None) -> None:
         self._consumer = consumer
         self.raw = msg
         self.message = message
@@ -149,7 +151,7 @@ class Delivery:
         await self._consumer._dead_letter(self.raw, reason)
 
 
-class Consumer:
+class Consumer(Generic[M]):
     """A pull consumer on one stage's work queue; replicas sharing `durable` share the work."""
 
     def __init__(
@@ -157,7 +159,7 @@ class Consumer:
         bus: ConsumerBus,
         stage: Stage,
         durable: str,
-        expected: type[Message] | None,
+        expected: type[M],
         sub: JetStreamContext.PullSubscription,
         ack_wait_s: float,
         max_deliver: int,
@@ -171,13 +173,13 @@ class Consumer:
         self.dead_letters = 0  # messages this consumer parked on the DLQ (for metrics)
         self._sub = sub
 
-    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery]:
+    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery[M]]:
         """Up to `batch` valid deliveries, waiting at most `timeout` s for the first; [] on timeout.
 
         Invalid messages met on the way are dead-lettered and do not count; the wait goes on.
         """
         deadline = time.monotonic() + timeout
-        out: list[Delivery] = []
+        out: list[Delivery[M]] = []
         while not out:
             remaining = deadline - time.monotonic()
             if remaining <= 0.01:
@@ -196,7 +198,7 @@ class Consumer:
                     out.append(delivery)
         return out
 
-    async def _accept(self, msg: Msg) -> Delivery | None:
+    async def _accept(self, msg: Msg) -> Delivery[M] | None:
         headers = msg.headers or {}
         claim = headers.get(CLAIM_HEADER)
         delivered = int(msg.metadata.num_delivered)
@@ -208,7 +210,7 @@ class Consumer:
             return None
         try:
             data = await self.bus._get_claim(claim) if claim else msg.data
-            message = decode(data, self.expected)
+            message = cast(M, decode(data, self.expected))  # decode checked it is an `expected`
         except (CodecError, MessageError, ClaimMissingError) as exc:
             await self._dead_letter(msg, str(exc))
             return None

@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Generic
 
 from rlbus.bus.connect import log
-from rlbus.bus.consumer import Consumer, Delivery
+from rlbus.bus.consumer import Consumer, Delivery, M
 
 POLL_S = 1.0  # one long-poll's wait on an empty partition
 
 
-class FanInConsumer:
+class FanInConsumer(Generic[M]):
     """The consumers of one stage's partitions, fetched from as one."""
 
-    def __init__(self, parts: list[Consumer]) -> None:
+    def __init__(self, parts: list[Consumer[M]]) -> None:
         if not parts:
             raise ValueError("a fan-in needs at least one partition")
         self.parts = parts
         self.stage = parts[0].stage
         self.durable = parts[0].durable
-        self._ready: list[Delivery] = []
+        self._ready: list[Delivery[M]] = []
         self._arrived = asyncio.Event()
         self._polls: dict[int, asyncio.Task[None]] = {}
         self._keepalive: asyncio.Task[None] | None = None
@@ -37,7 +38,7 @@ class FanInConsumer:
     def dead_letters(self) -> int:
         return sum(p.dead_letters for p in self.parts)
 
-    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery]:
+    async def fetch(self, batch: int = 1, timeout: float = 5.0) -> list[Delivery[M]]:
         """Up to `batch` valid deliveries from any partition, waiting at most `timeout` s for the first."""
         deadline = time.monotonic() + timeout
         while not self._ready:
@@ -59,7 +60,7 @@ class FanInConsumer:
             if poll is None or poll.done():
                 self._polls[k] = asyncio.ensure_future(self._poll(part, batch))
 
-    async def _poll(self, part: Consumer, batch: int) -> None:
+    async def _poll(self, part: Consumer[M], batch: int) -> None:
         try:
             got = await part.fetch(batch=batch, timeout=POLL_S)
         except Exception as exc:  # noqa: BLE001 - a partition that fails now is polled again next fetch
@@ -106,5 +107,6 @@ class FanInConsumer:
             await part.close()
 
 
-WorkConsumer = Consumer | FanInConsumer
-"""What `Bus.consumer` hands out: one partition's consumer, or the fan-in over several."""
+WorkConsumer = Consumer[M] | FanInConsumer[M]
+"""What `Bus.consumer` hands out: one partition's consumer, or the fan-in over several (`WorkConsumer[M]`:
+of a stage whose messages are `M`)."""

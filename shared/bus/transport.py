@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Generator
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -30,7 +30,7 @@ from nats.js.object_store import ObjectStore
 from rlbus import codec
 from rlbus.bus.connect import connect as _connect
 from rlbus.bus.connect import log
-from rlbus.bus.consumer import Consumer
+from rlbus.bus.consumer import Consumer, M
 from rlbus.bus.disconnects import unless_disconnected
 from rlbus.bus.duplicates import DIGEST_HEADER, DuplicateVerdict, judge_duplicate, payload_digest
 from rlbus.bus.fan_in import FanInConsumer
@@ -340,6 +340,28 @@ class Bus:
 
     # ---------------------------------------------------------------- consume
 
+    @overload
+    async def consumer(
+        self,
+        stage: Stage | str,
+        durable: str,
+        expected: type[M],
+        ack_wait_s: float | None = None,
+        max_deliver: int | None = None,
+        max_ack_pending: int = 1000,
+    ) -> Consumer[M] | FanInConsumer[M]: ...
+
+    @overload
+    async def consumer(
+        self,
+        stage: Stage | str,
+        durable: str,
+        expected: None = None,
+        ack_wait_s: float | None = None,
+        max_deliver: int | None = None,
+        max_ack_pending: int = 1000,
+    ) -> Consumer[Message] | FanInConsumer[Message]: ...
+
     async def consumer(
         self,
         stage: Stage | str,
@@ -348,7 +370,7 @@ class Bus:
         ack_wait_s: float | None = None,
         max_deliver: int | None = None,
         max_ack_pending: int = 1000,
-    ) -> Consumer | FanInConsumer:
+    ) -> Consumer[Any] | FanInConsumer[Any]:
         """Pull consumer on a stage (every partition of it, fetched from as one). `expected` defaults to the
         stage's message type.
 
@@ -373,11 +395,11 @@ class Bus:
         stage: Stage,
         partition: int,
         durable: str,
-        expected: type[Message],
+        expected: type[M],
         ack_wait: float,
         deliver: int,
         max_ack_pending: int,
-    ) -> Consumer:
+    ) -> Consumer[M]:
         stream, subject = self.names.stream(stage, partition), self.names.subject(stage, partition)
         config = js_api.ConsumerConfig(
             name=durable,
