@@ -21,6 +21,7 @@ SDPA at every step, for the side-by-side bench.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def folded_gqa_sdpa(
     return out.reshape(batch, heads, q_len, head_dim)
 
 
-def gqa_sdpa_attention_forward(
+def gqa_sdpa_attention_forward(  # noqa: PLR0913 - transformers' attention arguments, plus the kernel choice
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -81,40 +82,12 @@ def gqa_sdpa_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    decode_by_matmul: bool = True,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: the folded path when there is a mask and grouped
-    heads, a decode step on a GPU by matrix products (`decodes_by_matmul`), transformers' own ``sdpa``
-    otherwise (no mask: it passes ``enable_gqa`` itself)."""
-    by_matmul = decodes_by_matmul(query.shape[2], query.device)
-    return _attention(module, query, key, value, attention_mask, dropout, scaling, by_matmul, **kwargs)
-
-
-def gqa_sdpa_kernels_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The same, with SDPA's kernels at every step (``GQA_SDPA_KERNELS``: the decode bench's baseline)."""
-    return _attention(module, query, key, value, attention_mask, dropout, scaling, False, **kwargs)
-
-
-def _attention(  # noqa: PLR0913 - transformers' attention arguments, plus the kernel choice
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    by_matmul: bool,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+    heads, with a decode step on a GPU by matrix products (`decodes_by_matmul`) unless `decode_by_matmul` is
+    off, transformers' own ``sdpa`` otherwise (no mask: it passes ``enable_gqa`` itself)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     folds = (
@@ -129,8 +102,13 @@ def _attention(  # noqa: PLR0913 - transformers' attention arguments, plus the k
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     assert attention_mask is not None  # `folds` requires it
+    by_matmul = decode_by_matmul and decodes_by_matmul(query.shape[2], query.device)
     out = folded_gqa_sdpa(query, key, value, attention_mask, scaling, by_matmul=by_matmul)
     return out.transpose(1, 2).contiguous(), None  # [B, L, H, D], like sdpa_attention_forward
+
+
+gqa_sdpa_kernels_attention_forward = functools.partial(gqa_sdpa_attention_forward, decode_by_matmul=False)
+"""The same with SDPA's kernels at every step (``GQA_SDPA_KERNELS``: the decode bench's baseline)."""
 
 
 def register_gqa_sdpa() -> str:

@@ -34,18 +34,25 @@ def _padding_mask(batch: int, q_len: int, kv_len: int, pads: list[int]) -> torch
     return causal[None, None] & keep[:, None, None, :]
 
 
-@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 40), (6, 6), (5, 23)])
-def test_folded_gqa_equals_repeated_kv(q_len: int, kv_len: int) -> None:
-    torch.manual_seed(0)
+def _grouped_inputs(q_len: int, kv_len: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Queries of 3 rows x 14 heads over 2 KV heads (head dim 16) in float64, and a left-padding mask."""
+    torch.manual_seed(seed)
     batch, kv_heads, groups, dim = 3, 2, 7, 16
     q = torch.randn(batch, kv_heads * groups, q_len, dim, dtype=torch.float64)
     k = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
     v = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
-    mask = _padding_mask(batch, q_len, kv_len, pads=[0, 2, kv_len - q_len])
+    return q, k, v, _padding_mask(batch, q_len, kv_len, pads=[0, 2, kv_len - q_len])
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 40), (6, 6), (5, 23)])
+def test_folded_gqa_equals_repeated_kv(q_len: int, kv_len: int) -> None:
+    q, k, v, mask = _grouped_inputs(q_len, kv_len, seed=0)
+    batch, heads, _, dim = q.shape
+    groups = heads // k.shape[1]
     module = _Attn(groups)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
     got, _ = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
-    assert got.shape == want.shape == (batch, q_len, kv_heads * groups, dim)
+    assert got.shape == want.shape == (batch, q_len, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -53,12 +60,8 @@ def test_folded_gqa_equals_repeated_kv(q_len: int, kv_len: int) -> None:
 @pytest.mark.parametrize("additive", [False, True])
 def test_matmul_attention_equals_sdpa(q_len: int, kv_len: int, additive: bool) -> None:
     """The decode step's matrix products give SDPA's attention, under a bool or an additive mask."""
-    torch.manual_seed(2)
-    batch, kv_heads, groups, dim = 3, 2, 7, 16
-    q = torch.randn(batch, kv_heads * groups, q_len, dim, dtype=torch.float64)
-    k = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
-    v = torch.randn(batch, kv_heads, kv_len, dim, dtype=torch.float64)
-    mask = _padding_mask(batch, q_len, kv_len, pads=[0, 2, kv_len - q_len])
+    q, k, v, mask = _grouped_inputs(q_len, kv_len, seed=2)
+    dim = q.shape[-1]
     if additive:
         mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
     want = folded_gqa_sdpa(q, k, v, mask, dim**-0.5)
