@@ -43,7 +43,8 @@ def run_learner(cfg: RlbusConfig) -> int:
 def _leave_without_teardown(rc: int) -> NoReturn:
     """End a finished rank at once. Interpreter teardown could only race torch's C++ threads (gloo's
     threads of a freed group): "terminate called without an active exception" aborted a worker once in
-    four multi-node runs and the CI's two-rank leader once, and torchrun reports that as a failed job.
+    four multi-node runs and the CI's two-rank leader twice (under torchrun,
+    and started by hand in test_per_rank_checkpoint); torchrun reports that as a failed job.
     Everything worth keeping is written by now; atexit hooks still run, as at a normal exit."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -69,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     rc = run_learner(cfg)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: see _leave_without_teardown
+    if _is_one_of_several_ranks():  # see _leave_without_teardown
         _leave_without_teardown(rc)
     return rc
+
+
+def _is_one_of_several_ranks() -> bool:
+    """Started by torchrun, or as a rank of a multi-rank group by hand (one per node, env:// rendezvous, as
+    test_per_rank_checkpoint starts them): either way gloo's threads outlive the group at teardown."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 if __name__ == "__main__":
