@@ -548,7 +548,8 @@ async def test_bus_survives_a_server_restart(private_nats: LocalNatsServer, run_
         seen: asyncio.Queue[bytes] = asyncio.Queue()
 
         async def watch() -> None:
-            async for value in state.watch_announcements():
+            # a quiet watch is checked only every 30 s: the reconnect itself must renew it
+            async for value in state.watch_announcements(check_every_s=30):
                 await seen.put(value)
 
         watcher = asyncio.create_task(watch())
@@ -567,7 +568,8 @@ async def test_bus_survives_a_server_restart(private_nats: LocalNatsServer, run_
         assert sorted(d.message.prompt_id for d in got) == ["p1", "p2"]  # type: ignore[attr-defined]
         for d in got:
             await d.ack()
-        # The KV watch died with the server; the announcement still reaches the watcher.
+        # The KV watch died with the server; the announcement still reaches the watcher, well inside the
+        # 30 s a quiet watch waits before it is checked.
         await state.put_announcement(b"v2")
         assert await asyncio.wait_for(seen.get(), 10) == b"v2"
         watcher.cancel()

@@ -32,6 +32,11 @@ def test_data_order_is_seeded_and_resumable() -> None:
     b = PromptLoader(records, seed=1)
     b.load_state_dict({"position": 30, "seed": 1})
     assert [b.next().prompt for _ in range(40)] == first[30:]
+    # a prompt dispatched again is the one handed out at its position, from either epoch, and moves nothing
+    assert [(b.at(i).index, b.at(i).prompt) for i in (65, 3, 49, 50)] == [
+        (i, first[i]) for i in (65, 3, 49, 50)
+    ]
+    assert b.position == 70
     assert (
         PromptLoader(records, seed=2).next().prompt != first[0]
         or PromptLoader(records, seed=3).next().prompt != first[0]

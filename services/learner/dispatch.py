@@ -7,7 +7,6 @@ weights; with async_level=0 that makes every trained sample exactly on-policy.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -153,9 +152,7 @@ class Dispatcher:
     def _next_item(self):
         """The next prompt: a re-dispatch after a resume first, then the loader's order."""
         if self.requeue:
-            again = copy.copy(self.loader)  # the same records and order, at that position
-            again.position = self.requeue.popleft()
-            return again.next()
+            return self.loader.at(self.requeue.popleft())
         return self.loader.next()
 
     def _prompt_ids(self, text: str) -> list[int]:

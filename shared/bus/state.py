@@ -21,6 +21,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from rlbus import codec
 from rlbus.bus.connect import log
+from rlbus.bus.disconnects import disconnects_of
 from rlbus.bus.retry import with_retry
 from rlbus.bus.subjects import RunNames
 from rlbus.messages import Heartbeat, decode, encode
@@ -103,15 +104,17 @@ class RunState:
     ) -> AsyncIterator[bytes]:
         """Yield each new announcement; first the current one when `include_current` (late joiners).
 
-        A KV watch is an ephemeral consumer and dies with a NATS restart, so whenever the watch is
-        quiet for `check_every_s` the current revision is read directly; if the watch missed it, the
-        value is yielded and the watch is made anew. Each revision is yielded at most once.
+        A KV watch is an ephemeral consumer and dies with a NATS restart. Once the connection it was made on
+        drops, the current revision is read as soon as the client is back and the watch is made anew (the
+        first announcement after a NATS restart waited a whole `check_every_s` for the replicas before); a
+        watch quiet for `check_every_s` is checked the same way. Each revision is yielded at most once.
         """
         last_rev = 0
         if not include_current:
             current = await self._entry(ANNOUNCE_KEY)
             last_rev = current.revision if current is not None and current.revision else 0
         while True:
+            dropped = disconnects_of(self.nc).current() if self.nc is not None else None
             try:
                 watcher = await self.kv.watch(ANNOUNCE_KEY)
             except Exception as exc:  # reconnecting: try again shortly
@@ -120,9 +123,8 @@ class RunState:
                 continue
             try:
                 while True:
-                    try:
-                        entry = await watcher.updates(timeout=check_every_s)
-                    except NatsTimeoutError:
+                    entry = await _next_update(watcher, dropped, check_every_s)
+                    if entry is _QUIET or entry is _DROPPED:
                         try:
                             entry = await self._entry(ANNOUNCE_KEY)
                         except Exception as exc:
@@ -133,6 +135,8 @@ class RunState:
                             last_rev = entry.revision or last_rev
                             yield entry.value
                             break  # this watch is stale
+                        if dropped is not None and dropped.is_set():
+                            break  # made on a connection that is gone: it will never hear again
                         continue
                     if entry is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                         continue
@@ -230,3 +234,31 @@ class RunState:
     async def get_json(self, key: str, default: Any = None) -> Any:
         raw = await self._get(f"{FACT_PREFIX}.{key}")
         return json.loads(raw) if raw else default
+
+
+_QUIET = object()  # a watch heard nothing for its check interval
+_DROPPED = object()  # the connection a watch was made on dropped
+
+
+async def _next_update(watcher: Any, dropped: asyncio.Event | None, timeout: float) -> Any:
+    """The watch's next entry (None: the end of its initial values), `_QUIET` after `timeout` s of
+    silence, or `_DROPPED` as soon as `dropped` (the connection the watch was made on) is set."""
+    if dropped is not None and dropped.is_set():
+        return _DROPPED
+    update = asyncio.ensure_future(watcher.updates(timeout=timeout))
+    if dropped is None:
+        waiting: set[asyncio.Future] = {update}
+    else:
+        waiting = {update, asyncio.ensure_future(dropped.wait())}
+    try:
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in waiting:
+            if not task.done():
+                task.cancel()
+    if update not in done:
+        return _DROPPED
+    try:
+        return update.result()
+    except NatsTimeoutError:
+        return _QUIET
