@@ -189,6 +189,12 @@ class Heartbeat(Message):
         description="new at every process start: a restarted replica under the same "
         "id is a new member of the weight group",
     )
+    holding: list[str] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="ack subjects of the work this instance holds (rollout): once it is known gone, the "
+        "learner hands that work back at once instead of after the stage's ack wait",
+    )
 
 
 class WeightAck(Message):

@@ -44,7 +44,9 @@ class ServiceContext:
     health: Any = None
     metrics: Any = None
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # this process start
-    beat_due: bool = False  # set by beat_soon: the next status poll beats
+    beat_due: bool = False  # set by beat_soon: the heartbeat loop beats at once
+    holding: list[str] = field(default_factory=list)  # ack subjects of the work held now (Heartbeat.holding)
+    _beat_wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def mark_ready(self) -> None:
         """Set up and serving. The objects made so far (imports, model, data) live as long as the process:
@@ -61,9 +63,29 @@ class ServiceContext:
         return int(getattr(self.bus, "duplicates", {}).get(DuplicateVerdict.DIFFERENT, 0))
 
     def beat_soon(self) -> None:
-        """Heartbeat at the next status poll rather than the next interval: the learner waits for a fresh beat
-        from each member of a failed weight push before it forms the next group."""
+        """Heartbeat now rather than at the next interval: the learner waits for a fresh beat from each member
+        of a failed weight push before it forms the next group, and reads what a dead replica held from its
+        last beat."""
         self.beat_due = True
+        self._beat_wake.set()
+
+    async def until_beat_due(self, seconds: float) -> bool:
+        """Waits `seconds`, or until a beat is asked for (`beat_soon`) or the service stops; True on stop."""
+        waiting = {asyncio.ensure_future(self._beat_wake.wait()), asyncio.ensure_future(self.stop.wait())}
+        try:
+            await asyncio.wait(waiting, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waiting:
+                task.cancel()
+        self._beat_wake.clear()
+        return self.stop.is_set()
+
+    def hold(self, ack_subjects: list[str]) -> None:
+        """The work held from now on (what the last beat names if this process dies); beats at once when
+        there is new work to name, so that beat is current."""
+        self.holding = ack_subjects
+        if ack_subjects:
+            self.beat_soon()
 
     @property
     def run_dir(self) -> Path:
@@ -89,6 +111,7 @@ class ServiceContext:
             host=socket.gethostname(),
             device=self.device,
             incarnation=self.incarnation,
+            holding=list(self.holding),
         )
 
 
@@ -110,7 +133,7 @@ async def _heartbeat_loop(ctx: ServiceContext) -> None:
                 await ctx.state.heartbeat(ctx.heartbeat())
             except Exception as exc:  # the bus may be reconnecting; heartbeats resume by themselves
                 ctx.log.warning("heartbeat failed", error=str(exc))
-        if await ctx.sleep_or_stop(HEARTBEAT_STATUS_POLL_S):
+        if await ctx.until_beat_due(HEARTBEAT_STATUS_POLL_S):
             break
 
 

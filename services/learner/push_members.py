@@ -3,10 +3,14 @@ keeps the suspect list, and stores it in the run's KV so a new learner attempt s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 
-from rlbus.bus.roll_call import roll_call
+from rlbus.bus import Stage
+from rlbus.bus.hand_back import ROLLOUT_DURABLE, hand_back, ours_to_hand_back
+from rlbus.bus.roll_call import is_gone, roll_call
 from rlbus.learner.membership import (
     PushPlan,
     Suspect,
@@ -33,6 +37,8 @@ class PushMembership:
         self.backoff_base_s = backoff_base_s
         self.suspects: dict[str, Suspect] = {}
         self.roll_calls = 0  # roll calls made (each waits at most join_window_s)
+        self.handed_back = 0  # deliveries of gone replicas sent back to the queue
+        self._handing_back: set[asyncio.Task] = set()
 
     async def load(self) -> None:
         """The suspects an earlier learner attempt of this run left in the KV."""
@@ -69,6 +75,28 @@ class PushMembership:
         is called to the next roll, where the live ones answer)."""
         now = time.time()
         await self._store(after_failure(members, to_blame, self.suspects, now, self.backoff_base_s, reason))
+        blamed = members if to_blame is None else {rid: members.get(rid, "") for rid in to_blame}
+        task = asyncio.create_task(self._hand_back_if_gone(blamed))  # beside the next push, not before it
+        self._handing_back.add(task)
+        task.add_done_callback(self._handing_back.discard)
+
+    async def _hand_back_if_gone(self, members: Mapping[str, str]) -> None:
+        """Each of `members` (replica id -> the incarnation that failed) whose process is gone: the work its
+        last beat named goes back on the queue now, not after the stage's ack wait (rlbus.bus.hand_back)."""
+        bus = self.ctx.bus
+        with contextlib.suppress(Exception):  # best effort: the ack wait still hands the work back
+            gone = await asyncio.gather(*(is_gone(bus.nc, bus.names, rid) for rid in members))
+            if not any(gone):
+                return
+            for rid, is_dead in zip(members, gone, strict=True):
+                beat = await self.ctx.state.last_beat("rollout", rid) if is_dead else None
+                if beat is None or (members[rid] and beat.incarnation != members[rid]):
+                    continue  # alive, never beat, or a new process under its id (its beat names its own work)
+                subjects = ours_to_hand_back(beat.holding, bus.names.streams(Stage.PROMPTS), ROLLOUT_DURABLE)
+                sent = await hand_back(bus.nc, subjects)
+                self.handed_back += sent
+                if sent:
+                    self.ctx.log.info("work a gone replica held handed back", replica=rid, naks=sent)
 
     async def succeeded(self, members: Iterable[str]) -> None:
         await self._store(after_success(members, self.suspects))

@@ -324,6 +324,7 @@ def say_at_start(ctx: ServiceContext, text: str) -> None:
 
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
+    from rlbus.bus.hand_back import ROLLOUT_DURABLE
     from rlbus.model_source import resolve_model_path
     from rlbus.rollout.admission import limits_for
     from rlbus.rollout.batching import fetch_batch, linger_after
@@ -348,7 +349,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
     await replica.answer_roll_calls()
     consumer = await ctx.bus.consumer(
         Stage.PROMPTS,
-        durable="rollout",
+        durable=ROLLOUT_DURABLE,
         expected=PromptWork,
         ack_wait_s=held_work_ack_wait(cfg.bus.ack_wait_s),
         max_deliver=cfg.bus.max_deliver,
@@ -376,6 +377,9 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             deliveries = await drop_orphans(ctx, deliveries)
             if not deliveries:
                 continue
+            ctx.hold(
+                [d.ack_subject for d in deliveries]
+            )  # named in a beat now: if we die, handed back at once
             needed = max(d.message.min_policy_version for d in deliveries)
             if not await replica.wait_for_version(needed, cfg.weight_wait_s, deliveries):
                 ctx.log.warning(
@@ -386,6 +390,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 )
                 for d in deliveries:
                     await d.nak(delay=1.0)
+                ctx.hold([])
                 continue
             async with kept_alive(deliveries, replica.keepalive_s):
                 outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
@@ -393,6 +398,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             async with asyncio.TaskGroup() as handing_on:
                 for d, outcome in zip(deliveries, outcomes, strict=True):
                     handing_on.create_task(hand_on(ctx, d, outcome))
+            ctx.hold([])
             ctx.stats["tokens"] += tokens
             ctx.log.info(
                 "generated", version=replica.version, prompt_ids=[d.message.prompt_id for d in deliveries]

@@ -66,6 +66,12 @@ class Delivery(Generic[M]):
     def headers(self) -> dict[str, str]:
         return dict(self.raw.headers or {})
 
+    @property
+    def ack_subject(self) -> str:
+        """Where this delivery's ack goes: whoever holds it may name it (a heartbeat's `holding`), so that
+        a NAK sent there once the holder is gone hands the work back at once (rlbus.bus.hand_back)."""
+        return str(self.raw.reply or "")
+
     def _settle(self) -> bool:
         if self.settled:
             return False

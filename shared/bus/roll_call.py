@@ -115,3 +115,19 @@ async def answer_roll_calls(
     sub = await nc.subscribe(names.weight_join(replica_id), cb=on_call)
     await nc.flush()
     return sub
+
+
+async def is_gone(nc: Client, names: RunNames, replica_id: str, timeout_s: float = 0.5) -> bool:
+    """Whether `replica_id`'s process is gone: NATS answers at once that nobody listens on its roll-call
+    subject. A live replica answers the call (False); so does silence or a bus of our own just back from a
+    reconnect, when a live replica may still be reconnecting too (False: not known)."""
+    if disconnects_of(nc).recently_reconnected(RECONNECT_GRACE_S):
+        return False
+    call = JoinCall(run_id=names.run_id, call_id=uuid.uuid4().hex)
+    try:
+        await nc.request(names.weight_join(replica_id), encode(call), timeout=timeout_s)
+    except NoRespondersError:
+        return True
+    except Exception:  # noqa: BLE001 - silent or no bus: not known to be gone
+        return False
+    return False

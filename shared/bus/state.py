@@ -211,6 +211,17 @@ class RunState:
             beats.append(hb)
         return beats
 
+    async def last_beat(self, service: str, instance: str) -> Heartbeat | None:
+        """The instance's newest heartbeat, read now (never a reused scan), or None."""
+        entry = await self._entry(self._hb_key(service, instance))
+        if entry is None or not entry.value:
+            return None
+        try:
+            return decode(entry.value, Heartbeat)
+        except Exception as exc:  # a broken writer: nothing to go by
+            log.warning("bus.bad_heartbeat", instance=instance, error=str(exc))
+            return None
+
     async def live(self, service: str, max_age_s: float) -> list[Heartbeat]:
         """Instances of `service` whose last heartbeat (by its own timestamp) is at most `max_age_s` old."""
         cutoff = time.time() - max_age_s
