@@ -4,6 +4,7 @@ no sockets, so a fork of this state is as clean as a fresh interpreter. Not `rlb
 the launcher's main module (`python -m rlbus.cli`) as `__mp_main__`, and runpy warns on stderr when that
 module is already imported (importing it in the child takes ~1 ms)."""
 
+import atexit
 import gc
 
 import torch  # noqa: F401
@@ -22,3 +23,6 @@ import rlbus.rollout.service  # noqa: F401
 # on the 2-core box beside the other services, and a learner restart waited it out before its first dispatch.
 gc.collect()
 gc.freeze()
+# ... and unfrozen at exit (the server's, and each child's: rlbus.preforked runs the atexit hooks), so the
+# interpreter's last collection frees them: frozen, triton's bindings print "nanobind: leaked ..." to the log
+atexit.register(gc.unfreeze)

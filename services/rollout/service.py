@@ -322,6 +322,34 @@ def say_at_start(ctx: ServiceContext, text: str) -> None:
     post_notice(ctx.run_dir, "rollout", text)
 
 
+async def serve_batch(ctx: ServiceContext, replica: Replica, deliveries: list[Work]) -> None:
+    """Generate the admitted work once the weights are new enough (else hand it back), and hand each group on.
+    While it is held, the heartbeat names it: if this process dies, the learner hands it back at once."""
+    ctx.hold([d.ack_subject for d in deliveries])
+    needed = max(d.message.min_policy_version for d in deliveries)
+    try:
+        if not await replica.wait_for_version(needed, ctx.cfg.weight_wait_s, deliveries):
+            ctx.log.warning(
+                "weights too old for this work; handing it back",
+                have=replica.version,
+                need=needed,
+                prompt_ids=[d.message.prompt_id for d in deliveries],
+            )
+            for d in deliveries:
+                await d.nak(delay=1.0)
+            return
+        async with kept_alive(deliveries, replica.keepalive_s):
+            outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
+        # every group at once: their publishes and acks share the connection's writes and round trips
+        async with asyncio.TaskGroup() as handing_on:
+            for d, outcome in zip(deliveries, outcomes, strict=True):
+                handing_on.create_task(hand_on(ctx, d, outcome))
+    finally:
+        ctx.hold([])
+    ctx.stats["tokens"] += tokens
+    ctx.log.info("generated", version=replica.version, prompt_ids=[d.message.prompt_id for d in deliveries])
+
+
 async def rollout_loop(ctx: ServiceContext) -> int:
     from rlbus.bus import Stage
     from rlbus.bus.hand_back import ROLLOUT_DURABLE
@@ -377,32 +405,7 @@ async def rollout_loop(ctx: ServiceContext) -> int:
             deliveries = await drop_orphans(ctx, deliveries)
             if not deliveries:
                 continue
-            ctx.hold(
-                [d.ack_subject for d in deliveries]
-            )  # named in a beat now: if we die, handed back at once
-            needed = max(d.message.min_policy_version for d in deliveries)
-            if not await replica.wait_for_version(needed, cfg.weight_wait_s, deliveries):
-                ctx.log.warning(
-                    "weights too old for this work; handing it back",
-                    have=replica.version,
-                    need=needed,
-                    prompt_ids=[d.message.prompt_id for d in deliveries],
-                )
-                for d in deliveries:
-                    await d.nak(delay=1.0)
-                ctx.hold([])
-                continue
-            async with kept_alive(deliveries, replica.keepalive_s):
-                outcomes, tokens = await replica.generate_each([d.message for d in deliveries])
-            # every group at once: their publishes and acks share the connection's writes and round trips
-            async with asyncio.TaskGroup() as handing_on:
-                for d, outcome in zip(deliveries, outcomes, strict=True):
-                    handing_on.create_task(hand_on(ctx, d, outcome))
-            ctx.hold([])
-            ctx.stats["tokens"] += tokens
-            ctx.log.info(
-                "generated", version=replica.version, prompt_ids=[d.message.prompt_id for d in deliveries]
-            )
+            await serve_batch(ctx, replica, deliveries)
     finally:
         weights.cancel()
         await asyncio.to_thread(engine.close)

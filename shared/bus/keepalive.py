@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 
 HELD_WORK_ACK_WAIT_S = 4.0
 """The ack wait of a stage whose consumer keeps its held work alive (bus.ack_wait_s if shorter): a killed
-replica's prompts are back on the queue 2.7-4 s after its last beat. Longer than a NATS outage the fault test
-injects (3 s), so a restart alone hands no live replica's work to another. At 6 s, on 2026-12-06, the heavy
-fault run's four rollout SIGKILLs cost 1.1-2.6 s each and the run came to 1.50x an undisturbed one."""
+replica's prompts are back on the queue 2.7-4 s after its last beat, unless the learner hands them back
+sooner (rlbus.bus.hand_back, at once once it knows the process is gone). Longer than a NATS outage the fault
+test injects (3 s), so a restart alone hands no live replica's work to another. At 6 s, on 2026-12-06, the
+heavy fault run's four rollout SIGKILLs cost 1.1-2.6 s each and the run came to 1.50x an undisturbed one."""
 
 
 def held_work_ack_wait(bus_ack_wait_s: float) -> float:
