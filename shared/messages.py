@@ -173,6 +173,11 @@ class WeightAnnouncement(Message):
     )
 
 
+HOLDING_MAX = (
+    4096  # ack subjects a heartbeat names at most (what it holds beyond them waits out the ack wait)
+)
+
+
 class Heartbeat(Message):
     kind: ClassVar[str] = "heartbeat"
     run_id: str
@@ -191,7 +196,7 @@ class Heartbeat(Message):
     )
     holding: list[str] = Field(
         default_factory=list,
-        max_length=4096,
+        max_length=HOLDING_MAX,
         description="ack subjects of the work this instance holds (rollout): once it is known gone, the "
         "learner hands that work back at once instead of after the stage's ack wait",
     )

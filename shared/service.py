@@ -17,7 +17,7 @@ from typing import Any
 
 from rlbus.config import RlbusConfig
 from rlbus.logs import get_logger, setup_logging
-from rlbus.messages import Heartbeat
+from rlbus.messages import HOLDING_MAX, Heartbeat
 
 EXIT_REFUSED = 2  # a service's configuration cannot work: supervisors must not restart it (rlbus up stops)
 EXIT_STALLED = 3  # the learner waited past trainer.batch_timeout_s for data: a restart may get it going
@@ -111,7 +111,7 @@ class ServiceContext:
             host=socket.gethostname(),
             device=self.device,
             incarnation=self.incarnation,
-            holding=list(self.holding),
+            holding=self.holding[:HOLDING_MAX],
         )
 
 
