@@ -14,9 +14,10 @@ from e2e_utils import prompt_work
 from rlbus.bus import Bus, Stage
 from rlbus.bus.hand_back import ROLLOUT_DURABLE, ours_to_hand_back
 from rlbus.bus.roll_call import answer_roll_calls, is_gone
+from rlbus.config import RlbusConfig
 from rlbus.learner.push_members import PushMembership
 from rlbus.logs import get_logger
-from rlbus.messages import Heartbeat, PromptWork
+from rlbus.messages import HOLDING_MAX, Heartbeat, PromptWork
 from rlbus.service import ServiceContext
 
 ACK_WAIT_S = 30.0  # the stage's ack wait here: work that came back sooner was handed back
@@ -98,3 +99,11 @@ async def test_a_live_replicas_work_is_not_handed_back(bus: Bus, bus_config) -> 
         assert await consumer.fetch(batch=1, timeout=2.0) == []  # not redelivered
         assert membership.handed_back == 0
         await held[0].ack()
+
+
+def test_a_beat_names_at_most_holding_max_deliveries() -> None:
+    """More held work than a beat may name must not make the beat itself invalid (the replica would look dead)."""
+    ctx = ServiceContext(RlbusConfig(), "rollout", "r0", None, None, asyncio.Event(), get_logger("test"))
+    ctx.hold([f"$JS.ACK.s.rollout.1.{i}.{i}.0.0" for i in range(HOLDING_MAX + 10)])
+    beat = ctx.heartbeat()
+    assert len(beat.holding) == HOLDING_MAX and beat.holding[0] == "$JS.ACK.s.rollout.1.0.0.0.0"
