@@ -23,6 +23,18 @@ from rlbus.service import ServiceContext
 ACK_WAIT_S = 30.0  # the stage's ack wait here: work that came back sooner was handed back
 
 
+def _beat(bus: Bus, replica_id: str, incarnation: str, held: list) -> Heartbeat:
+    """A rollout replica's heartbeat naming the deliveries it holds."""
+    return Heartbeat(
+        run_id=bus.names.run_id,
+        service="rollout",
+        instance_id=replica_id,
+        time=time.time(),
+        incarnation=incarnation,
+        holding=[d.ack_subject for d in held],
+    )
+
+
 def test_only_acks_of_the_replicas_own_deliveries_are_handed_back() -> None:
     own = "$JS.ACK.rlbus_r_prompts.rollout.1.42.42.1733450000000000000.3"
     holding = [
@@ -49,15 +61,7 @@ async def test_a_gone_replicas_work_is_handed_back_after_a_failed_push(bus: Bus,
         )
         held = await held_by_r0.fetch(batch=3, timeout=5)
         assert len(held) == 3
-        beat = Heartbeat(
-            run_id=bus.names.run_id,
-            service="rollout",
-            instance_id="r0",
-            time=time.time(),
-            incarnation="inc-a",
-            holding=[d.ack_subject for d in held],
-        )
-        await state.heartbeat(beat)
+        await state.heartbeat(_beat(bus, "r0", "inc-a", held))
         assert not await is_gone(bus.nc, bus.names, "r0")  # it listens: alive
     # r0's process is gone (its connection closed): a push to it failed
     ctx = ServiceContext(bus_config, "learner", "learner", bus, state, asyncio.Event(), log)
@@ -84,15 +88,7 @@ async def test_a_live_replicas_work_is_not_handed_back(bus: Bus, bus_config) -> 
     async with Bus.connect(bus_config, name="replica-r1", ensure=False) as replica:
         await answer_roll_calls(replica.nc, replica.names, "r1", "inc-b", log)
         held = await consumer.fetch(batch=1, timeout=5)
-        beat = Heartbeat(
-            run_id=bus.names.run_id,
-            service="rollout",
-            instance_id="r1",
-            time=time.time(),
-            incarnation="inc-b",
-            holding=[d.ack_subject for d in held],
-        )
-        await state.heartbeat(beat)
+        await state.heartbeat(_beat(bus, "r1", "inc-b", held))
         ctx = ServiceContext(bus_config, "learner", "learner", bus, state, asyncio.Event(), log)
         membership = PushMembership(ctx, join_window_s=0.5, backoff_base_s=30.0)
         await membership.failed({"r1": "inc-b"}, ["r1"], "broken")
