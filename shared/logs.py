@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 
 import structlog
 
@@ -18,12 +17,6 @@ def _redact(_: object, __: str, event: dict) -> dict:
     return event
 
 
-def _local_time_ms(_: object, __: str, event: dict) -> dict:
-    now = time.time()
-    event["timestamp"] = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
-    return event
-
-
 def setup_logging(level: str = "info", json_logs: bool = False, service: str | None = None) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
@@ -31,9 +24,11 @@ def setup_logging(level: str = "info", json_logs: bool = False, service: str | N
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         # JSON lines go to log collectors: full ISO 8601 UTC to the microsecond; the console's eye wants
-        # less, but milliseconds: a fault's timeline across services (a kill, a redelivery, a rejoin) is
+        # less, but sub-seconds: a fault's timeline across services (a kill, a redelivery, a rejoin) is
         # a matter of tenths of a second
-        structlog.processors.TimeStamper(fmt="iso", utc=True) if json_logs else _local_time_ms,
+        structlog.processors.TimeStamper(fmt="iso", utc=True)
+        if json_logs
+        else structlog.processors.TimeStamper(fmt="%H:%M:%S.%f", utc=False),
         _redact,
     ]
     processors.append(

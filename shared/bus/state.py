@@ -21,7 +21,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from rlbus import codec
 from rlbus.bus.connect import log
-from rlbus.bus.disconnects import disconnects_of
+from rlbus.bus.disconnects import ConnectionLostError, disconnects_of, unless_disconnected
 from rlbus.bus.retry import with_retry
 from rlbus.bus.subjects import RunNames
 from rlbus.messages import Heartbeat, decode, encode
@@ -123,7 +123,7 @@ class RunState:
                 continue
             try:
                 while True:
-                    entry = await _next_update(watcher, dropped, check_every_s)
+                    entry = await _next_update(watcher, self.nc, dropped, check_every_s)
                     if entry is _QUIET or entry is _DROPPED:
                         try:
                             entry = await self._entry(ANNOUNCE_KEY)
@@ -251,25 +251,14 @@ _QUIET = object()  # a watch heard nothing for its check interval
 _DROPPED = object()  # the connection a watch was made on dropped
 
 
-async def _next_update(watcher: Any, dropped: asyncio.Event | None, timeout: float) -> Any:
+async def _next_update(watcher: Any, nc: Client | None, dropped: asyncio.Event | None, timeout: float) -> Any:
     """The watch's next entry (None: the end of its initial values), `_QUIET` after `timeout` s of
-    silence, or `_DROPPED` as soon as `dropped` (the connection the watch was made on) is set."""
+    silence, or `_DROPPED` once the connection the watch was made on (whose event is `dropped`) is gone."""
     if dropped is not None and dropped.is_set():
         return _DROPPED
-    update = asyncio.ensure_future(watcher.updates(timeout=timeout))
-    if dropped is None:
-        waiting: set[asyncio.Future] = {update}
-    else:
-        waiting = {update, asyncio.ensure_future(dropped.wait())}
-    try:
-        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in waiting:
-            if not task.done():
-                task.cancel()
-    if update not in done:
+    try:  # `dropped` not set: the watch's connection is the current one, whose drop ends the wait
+        return await unless_disconnected(nc, lambda: watcher.updates(timeout=timeout))
+    except ConnectionLostError:
         return _DROPPED
-    try:
-        return update.result()
     except NatsTimeoutError:
         return _QUIET
