@@ -4,8 +4,8 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
 1. a Qwen2-shaped model (about 75M parameters on the GPU; `--tiny`: 0.3M) on rlbus's character tokenizer
    with a chat template, pretrained from scratch on long addition with its column steps written out
    (`worked_addition.py`), until greedy held-out accuracy reaches `--start-accuracy` (or `--pretrain-s`
-   runs out), so that RL has room to improve it; on the GPU with deterministic kernels, so the same card
-   rebuilds the same weights;
+   runs out), so that RL has room to improve it (`--deterministic`: with deterministic kernels, so the same
+   card rebuilds the same weights, about 1.8x slower);
 2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
@@ -112,7 +112,7 @@ def build(args: argparse.Namespace, task: WorkedAddition, work: Path) -> tuple[P
         f"model: Qwen2 {config.hidden_size}x{config.num_hidden_layers}, {params / 1e6:.1f}M parameters",
         flush=True,
     )
-    with deterministic_kernels(args.device):
+    with deterministic_kernels(args.device) if args.deterministic else contextlib.nullcontext():
         info = pretrain(args, model, tokenizer, task)
     info["parameters"] = params
     out = work / "model"
@@ -340,6 +340,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--start-accuracy", type=float, default=None, help="pretraining stops here (GPU 0.2, tiny 0.4)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="pretrain with deterministic kernels, so a bench split over two device calls on the same kind of "
+        "card rebuilds the same model (about 1.8x slower on an H100); off, measure every system in one call",
+    )
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
     p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")

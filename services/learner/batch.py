@@ -117,13 +117,16 @@ def collate(groups: list[ReadyGroup], pad_id: int) -> TrainBatch:
     )
 
 
-def placeholder_batch(rows: int, width: int, temperature: float) -> TrainBatch:
-    """`rows` sequences of up to `width` tokens (token id 1, the second half a response, the last row padded
-    as real batches are: attention without padding takes another path) for warming up compiled layers: two
-    or more rows and tokens, since torch specializes sizes 0 and 1 into graphs of their own."""
+def placeholder_batch(rows: int, width: int, temperature: float, padded: bool = True) -> TrainBatch:
+    """`rows` sequences of up to `width` tokens (token id 1, the second half a response) for warming up
+    compiled layers: two or more rows and tokens, since torch specializes sizes 0 and 1 into graphs of their
+    own. `padded`: the last row shorter, as in most real batches; not: rows of one length, which take other
+    graphs (padded rows without padding reach the layers with no mask at all, and a packed learner runs
+    equal rows dense), so a warm-up compiles both."""
     rows, width = max(2, rows), max(8, width)
     attention = torch.ones((rows, width), dtype=torch.long)
-    attention[-1, -width // 4 :] = 0
+    if padded:
+        attention[-1, -width // 4 :] = 0
     response = torch.zeros((rows, width - 1))
     response[:, width // 2 :] = 1.0
     response *= attention[:, 1:]

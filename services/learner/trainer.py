@@ -92,20 +92,22 @@ class PolicyTrainer:
         return (self.compiles_layers or self.compiles_kernels) and self.par.world_size == 1
 
     def warm_up(self) -> bool:
-        """Compile the decoder layers and log-prob kernels now, on a placeholder batch (gradients on, and off where the step takes
-        an old-log-prob pass), so the first real step compiles nothing; the gradients are dropped, weights and
-        optimizer state untouched. Returns whether it compiled anything (`warms_up`)."""
+        """Compile the decoder layers and log-prob kernels now, on placeholder batches (rows of unequal and of
+        equal length: each takes graphs of its own; gradients on, and off where the step takes an
+        old-log-prob pass), so no real step compiles; the gradients are dropped, weights and optimizer state
+        untouched. Returns whether it compiled anything (`warms_up`)."""
         if not self.warms_up:
             return False
         actor = self.cfg.actor
-        batch = placeholder_batch(2, 16, self.cfg.rollout.temperature)
         self.model.train()
         minis = 0 < actor.ppo_mini_batch_size < self.cfg.data.train_batch_size
-        if actor.ppo_epochs > 1 or minis or self.cfg.algorithm.use_kl_in_reward:
-            self._logprobs_no_grad(batch, 2)
-        logprobs, entropy = self._forward(batch, entropy=True)
-        assert entropy is not None  # asked for
-        ((logprobs.sum() + entropy.sum()) * 0.0).backward()
+        for padded in (True, False):
+            batch = placeholder_batch(2, 16, self.cfg.rollout.temperature, padded=padded)
+            if actor.ppo_epochs > 1 or minis or self.cfg.algorithm.use_kl_in_reward:
+                self._logprobs_no_grad(batch, 2)
+            logprobs, entropy = self._forward(batch, entropy=True)
+            assert entropy is not None  # asked for
+            ((logprobs.sum() + entropy.sum()) * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
