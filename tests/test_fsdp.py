@@ -542,10 +542,15 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     m = batch.response_mask.bool()
     assert float((got - want).abs()[m].max()) < 1e-5
     assert float((padded - want).abs()[m].max()) < 1e-5
-    # rows of one length have no padding to remove: they run as dense rows, not through varlen
-    calls.clear()
-    one = batch.select([0, 0])
-    with torch.no_grad():
-        dense, _ = forward.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
-    assert not calls
-    assert float((dense - want[[0, 0]]).abs()[one.response_mask.bool()].max()) < 1e-5
+    # rows of one length, a multiple of SEQ_MULTIPLE, have no padding to remove: they run as dense rows, not
+    # through varlen; rows of another length (which would need padding to the multiple) pack
+    lengths = batch.attention_mask.sum(-1).tolist()
+    aligned = lengths.index(forward.SEQ_MULTIPLE)
+    odd = next(i for i, n in enumerate(lengths) if n % forward.SEQ_MULTIPLE)
+    for row, layer_calls in ((aligned, 0), (odd, cfg.num_hidden_layers)):
+        calls.clear()
+        one = batch.select([row, row])
+        with torch.no_grad():
+            same, _ = forward.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
+        assert len(calls) == layer_calls, (lengths[row], len(calls))
+        assert float((same - want[[row, row]]).abs()[one.response_mask.bool()].max()) < 1e-5

@@ -102,15 +102,27 @@ def test_ledger_drops_dead_lettered_prompts_of_its_own_only() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_compiled_layers_compile_at_warm_up_only_whatever_the_widths() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_layers_compile_at_warm_up_only_whatever_the_widths(packed: bool, device: str) -> None:
     """actor.use_torch_compile (on by default on CUDA for a model of 10M parameters or more): the learner's
-    warm-up compiles the decoder layers on a placeholder batch without touching the weights; every step after
-    it, at any prompt and response width, reuses that graph (dynamo counts none new), so no step pauses for
-    a compile."""
+    warm-up compiles the decoder layers on placeholder batches without touching the weights; every step after
+    it, at any prompt and response width, padded or packed, with rows of unequal or of one length (those
+    reach the layers without a mask), reuses those graphs (dynamo counts none new), so no step pauses for a
+    compile. On a GPU inductor's kernels also guard on the sequence axis's alignment and on size thresholds
+    (each was a recompile in a GPU run's first step): the last step is a large batch of odd lengths."""
     from torch._dynamo.utils import counters
 
-    cfg = load_config(None, ["actor.optim.lr=1e-5", "actor.use_torch_compile=true"])
-    trainer = PolicyTrainer(cfg, default_model_path(), torch.device("cpu"), total_steps=10)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch._dynamo.reset()
+    cfg = load_config(
+        None,
+        ["actor.optim.lr=1e-5", "actor.use_torch_compile=true", f"model.use_remove_padding={packed}"]
+        + ["data.max_prompt_length=16", "data.max_response_length=300"]
+        + (["model.dtype=bfloat16"] if device == "cuda" else []),
+    )
+    trainer = PolicyTrainer(cfg, default_model_path(), torch.device(device), total_steps=10)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     start = counters["stats"]["unique_graphs"]
     assert trainer.compiles_layers and trainer.warm_up()
@@ -120,18 +132,24 @@ def test_compiled_layers_compile_at_warm_up_only_whatever_the_widths() -> None:
     assert all(p.grad is None for p in trainer.model.parameters())
     rng = np.random.default_rng(0)
     graphs = []
-    for step in range(4):
+    for step in range(7):
+        equal = step in (4, 5)  # every row of one length (13, then 16 tokens): no padding anywhere
+        prompt_len = 7 + 3 * (step - 4)
+        longest = 300 if step == 6 else 8 + 6 * step
         groups = [
             ready_group(
-                rng.integers(5, 40, size=int(rng.integers(3, 12))).tolist(),
-                [rng.integers(5, 40, size=int(rng.integers(1, 8 + 6 * step))).tolist() for _ in range(4)],
+                rng.integers(5, 40, size=prompt_len if equal else int(rng.integers(3, 12))).tolist(),
+                [
+                    rng.integers(5, 40, size=6 if equal else int(rng.integers(1, longest))).tolist()
+                    for _ in range(4)
+                ],
                 [1.0, 0.0, 0.0, 1.0],
             )
-            for _ in range(4)
+            for _ in range(16 if step == 6 else 4)
         ]
         trainer.train_step(collate(groups, pad_id=0))
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [warmed] * 4, graphs
+    assert graphs == [warmed] * 7, graphs
 
 
 def test_layers_compile_by_default_only_on_a_gpu_for_a_model_whose_compile_pays() -> None:

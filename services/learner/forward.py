@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -13,6 +14,13 @@ if TYPE_CHECKING:
 from rlbus.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rlbus.device_copy import to_device
 from rlbus.learner.varlen_attention import VARLEN_ATTENTION
+
+SEQ_MULTIPLE = 8
+"""The learner's sequence axis is a multiple of this: torch.compile's kernels guard on its alignment."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def forward_logprobs(
@@ -25,8 +33,9 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
-    Padded: the micro-batch is cut to its longest row (right padding makes that exact). Packed, when the
-    rows' lengths differ (equal lengths run padded: nothing to remove): all rows' real tokens in ONE row
+    Padded: the micro-batch is cut to its longest row, rounded up to SEQ_MULTIPLE (right padding makes that
+    exact). Packed, unless the rows have one length that is a multiple of SEQ_MULTIPLE (those run padded:
+    nothing to remove): all rows' real tokens in ONE row
     with position ids restarting at 0 per sequence and no attention mask, which transformers turns into
     a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the values are scattered back
     into the padded layout (zeros off the real tokens).
@@ -47,49 +56,54 @@ def _forward_logprobs(
     # busy GPU host (see _packed_layout)
     lengths = mb.attention_mask.cpu().numpy().sum(-1).astype(np.int64)
     bsz, width = mb.input_ids.shape
-    # Rows of one length have no padding to remove: the dense rows are the cheaper layout for the kernels
-    # (measured on the H200: varlen over equal lengths ran ~5% below batched flash sdpa).
+    # Rows of one length, a multiple of SEQ_MULTIPLE, have no padding to remove: the dense rows are the
+    # cheaper layout for the kernels (measured on the H200: varlen over equal lengths ran ~5% below batched
+    # flash sdpa). Other equal lengths would need padding, and a mask: a third graph; they pack.
     # (one row goes the packed way: it is already one row, and varlen attention wants its bounds passed)
-    if not packed or (bsz > 1 and bool((lengths == lengths[0]).all())):
-        w = max(int(lengths.max()), 2)
+    equal = bsz > 1 and bool((lengths == lengths[0]).all())
+    if not packed or (equal and lengths[0] % SEQ_MULTIPLE == 0):
+        # cut to the longest row, rounded up to SEQ_MULTIPLE (past the batch's width if need be: more right
+        # padding), so the compiled layers see one alignment of the sequence axis, not one graph per alignment
+        w = round_up(max(int(lengths.max()), 2), SEQ_MULTIPLE)
+        grow = (0, max(w - width, 0))
         out = token_logprobs(
             model,
-            to_device(mb.input_ids[:, :w], device),
-            to_device(mb.attention_mask[:, :w], device),
-            to_device(mb.position_ids[:, :w], device),
+            to_device(F.pad(mb.input_ids[:, :w], grow), device),
+            to_device(F.pad(mb.attention_mask[:, :w], grow), device),
+            to_device(F.pad(mb.position_ids[:, :w], grow), device),
             mb.temperature,
             return_entropy=entropy,
             chunk_tokens=chunk,
-            positions=mb.response_mask[:, : w - 1].bool(),
+            positions=F.pad(mb.response_mask[:, : w - 1], grow).bool(),
         )
         lp, ent = _with_entropy(out)
-        pad = width - w
+        lp, ent = lp[:, : width - 1], ent[:, : width - 1] if ent is not None else None
+        pad = width - min(w, width)
         if pad:
-            lp = torch.nn.functional.pad(lp, (0, pad))
-            ent = torch.nn.functional.pad(ent, (0, pad)) if ent is not None else None
+            lp = F.pad(lp, (0, pad))
+            ent = F.pad(ent, (0, pad)) if ent is not None else None
         return lp, ent
     layout = _packed_layout(mb, lengths)
-    ids, pos = layout["ids"], layout["pos"]
     bounds = {}
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION:
         # the sequence bounds, from host-side lengths: no device sync inside the (compiled) layers
-        cu = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)), device)
-        max_len = int(lengths.max())
+        segments = np.append(lengths, layout.filler) if layout.filler else lengths
+        cu = to_device(torch.from_numpy(np.concatenate([[0], np.cumsum(segments)]).astype(np.int32)), device)
+        max_len = int(segments.max())
         bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-    wanted = layout["wanted"]
     out = token_logprobs(
         model,
-        to_device(ids, device),
+        to_device(layout.ids, device),
         None,
-        to_device(pos, device),
+        to_device(layout.pos, device),
         mb.temperature,
         return_entropy=entropy,
         chunk_tokens=chunk,
-        positions=wanted,
+        positions=layout.wanted,
         **bounds,
     )
     lp_p, ent_p = _with_entropy(out)
-    src, rows, cols = (to_device(layout[k], device) for k in ("src", "rows", "cols"))
+    src, rows, cols = (to_device(t, device) for t in (layout.src, layout.rows, layout.cols))
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
         base = torch.zeros(bsz, width - 1, dtype=values.dtype, device=values.device)
@@ -98,29 +112,52 @@ def _forward_logprobs(
     return scatter(lp_p), scatter(ent_p) if ent_p is not None else None
 
 
-def _packed_layout(mb: TrainBatch, n: np.ndarray) -> dict[str, torch.Tensor]:
+class PackedLayout(NamedTuple):
+    """Where a micro-batch's real tokens sit in its one packed row (`_packed_layout`)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    wanted: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    src: torch.Tensor
+    filler: int
+
+
+def _packed_layout(mb: TrainBatch, n: np.ndarray) -> PackedLayout:
     """Where the real tokens of right-padded rows go in one packed row, worked out with numpy on the host
     (torch's CPU gathers, in a busy GPU host's thread pool, took milliseconds each: measured in the packed
     learner step's profile on the H200). Packed index j predicts packed token j + 1, so row b's predictions
     t = 0..n_b-2 sit at offset_b + t; the last token of a row predicts the next row's first (not wanted).
 
+    The packed row ends in a filler sequence (pad tokens, positions from 0, nothing wanted) that rounds its
+    length up to SEQ_MULTIPLE: the compiled layers then see one alignment of the sequence axis, not a graph
+    per alignment (inductor guards on it: two recompiles in a GPU run's first step).
+
     ids/pos ``[1, T]``; wanted ``[1, T-1]`` (response positions); rows/cols/src: padded (row, column) of
-    each prediction and its packed index. ``n``: the rows' lengths."""
+    each prediction and its packed index; filler: the filler's length. ``n``: the rows' lengths."""
     keep = np.arange(mb.input_ids.shape[1])[None, :] < n[:, None]
     n_pred = np.maximum(n - 1, 0)
     rows = np.repeat(np.arange(len(n)), n_pred)
     cols = np.arange(int(n_pred.sum())) - np.repeat(np.cumsum(n_pred) - n_pred, n_pred)
     src = np.repeat(np.cumsum(n) - n, n_pred) + cols
-    wanted = np.zeros(max(int(n.sum()) - 1, 0), dtype=bool)
+    total = int(n.sum())
+    filler = round_up(total, SEQ_MULTIPLE) - total
+    wanted = np.zeros(max(total + filler - 1, 0), dtype=bool)
     wanted[src] = mb.response_mask.numpy()[rows, cols] > 0
-    return {
-        "ids": torch.from_numpy(mb.input_ids.numpy()[keep])[None],
-        "pos": torch.from_numpy(mb.position_ids.numpy()[keep])[None],
-        "wanted": torch.from_numpy(wanted)[None],
-        "rows": torch.from_numpy(rows),
-        "cols": torch.from_numpy(cols),
-        "src": torch.from_numpy(src),
-    }
+    ids, pos = mb.input_ids.numpy()[keep], mb.position_ids.numpy()[keep]
+    if filler:
+        ids = np.concatenate([ids, np.full(filler, ids[-1], dtype=ids.dtype)])
+        pos = np.concatenate([pos, np.arange(filler, dtype=pos.dtype)])
+    return PackedLayout(
+        ids=torch.from_numpy(ids)[None],
+        pos=torch.from_numpy(pos)[None],
+        wanted=torch.from_numpy(wanted)[None],
+        rows=torch.from_numpy(rows),
+        cols=torch.from_numpy(cols),
+        src=torch.from_numpy(src),
+        filler=filler,
+    )
 
 
 def _with_entropy(

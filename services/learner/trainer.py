@@ -6,6 +6,7 @@ runs them over mini-/micro-batches with gradient accumulation.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,17 +93,19 @@ class PolicyTrainer:
         return (self.compiles_layers or self.compiles_kernels) and self.par.world_size == 1
 
     def warm_up(self) -> bool:
-        """Compile the decoder layers and log-prob kernels now, on placeholder batches (rows of unequal and of
-        equal length: each takes graphs of its own; gradients on, and off where the step takes an
-        old-log-prob pass), so no real step compiles; the gradients are dropped, weights and optimizer state
-        untouched. Returns whether it compiled anything (`warms_up`)."""
+        """Compile the decoder layers and log-prob kernels now, on placeholder batches, so no real step
+        compiles: rows of unequal and of equal length (each takes graphs of their own), at the smallest and
+        the largest micro-batch (inductor's kernels guard on size thresholds), gradients on, and off where the
+        step takes an old-log-prob pass. The gradients are dropped, weights and optimizer state untouched.
+        Returns whether it compiled anything (`warms_up`)."""
         if not self.warms_up:
             return False
         actor = self.cfg.actor
         self.model.train()
         minis = 0 < actor.ppo_mini_batch_size < self.cfg.data.train_batch_size
-        for padded in (True, False):
-            batch = placeholder_batch(2, 16, self.cfg.rollout.temperature, padded=padded)
+        shapes = [(3, 40), self._largest_micro_batch()]
+        for (rows, width), padded in itertools.product(shapes, (True, False)):
+            batch = placeholder_batch(rows, width, self.cfg.rollout.temperature, padded=padded)
             if actor.ppo_epochs > 1 or minis or self.cfg.algorithm.use_kl_in_reward:
                 self._logprobs_no_grad(batch, 2)
             logprobs, entropy = self._forward(batch, entropy=True)
@@ -110,6 +113,17 @@ class PolicyTrainer:
             ((logprobs.sum() + entropy.sum()) * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def _largest_micro_batch(self) -> tuple[int, int]:
+        """(rows, tokens per row) of the largest micro-batch a step can run."""
+        cfg, actor = self.cfg, self.cfg.actor
+        width = forward.round_up(
+            cfg.data.max_prompt_length + cfg.data.max_response_length, forward.SEQ_MULTIPLE
+        )
+        rows = actor.ppo_micro_batch_size
+        if cfg.model.use_remove_padding and actor.use_dynamic_bsz:
+            rows = max(1, actor.ppo_max_token_len_per_gpu // width)
+        return min(rows, cfg.data.train_batch_size * cfg.rollout.n), width
 
     def _forward(self, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward.forward_logprobs(
