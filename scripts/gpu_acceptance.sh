@@ -10,10 +10,11 @@
 #                                      # attention per kernel: bench/decode_attention.py)
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
 #   bash scripts/gpu_acceptance.sh 3   # bench/learning.py (pretrain on the spot, then rlbus a0/a1 and TRL)
-#     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine,
-#     first with LEARNING_ARGS="--budget-s 120 --no-trl", then plainly; the second reuses the model and the
-#     curves left in $LEARNING_WORK (on a new machine, carry the curve-*.json files into it: the second call
-#     pretrains again and uses them only if the weights come out the same, else it stops and says so).
+#     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine
+#     (it stays warm 30 s after a call), first with LEARNING_ARGS="--budget-s 120 --no-trl", then plainly; the
+#     second reuses the model and the curves left in $LEARNING_WORK. On a new machine the second call pretrains
+#     again and uses the curves only if the weights come out the same (add --deterministic to both calls'
+#     LEARNING_ARGS for that: deterministic kernels, 1.8x slower pretraining), else it stops and says so.
 #   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
 #                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
