@@ -104,7 +104,9 @@ def _kill_after_a_checkpoint(
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    "mode", ["save_freq", "rolling", "memory", pytest.param("memory_lost", marks=pytest.mark.slow)]
+    "mode",
+    # make test keeps save_freq's variant; the others (20-25 s each on 2 cores) run in make test-slow
+    ["save_freq", *(pytest.param(m, marks=pytest.mark.slow) for m in ("rolling", "memory", "memory_lost"))],
 )
 def test_killed_learner_resumes_to_the_weights_of_an_uninterrupted_run(
     nats_url: str, run_id: str, tmp_path: Path, mode: str

@@ -82,6 +82,7 @@ def test_bad_function_spec_fails_at_start_naming_it() -> None:
         build_scorer(RewardConfig(type="function", function="no_such_mod:fn"))
 
 
+@pytest.mark.slow  # 25 s on 2 cores: make test-slow
 @pytest.mark.timeout(400)
 def test_reward_implementations_swap_while_the_run_is_live(
     nats_url: str, run_id: str, tmp_path: Path
