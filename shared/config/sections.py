@@ -207,6 +207,12 @@ class RolloutConfig(Section):
         "decode on GPU: vLLM's CUDA graphs, the hf engine's static KV cache for a model of 10M parameters "
         "or more)",
     )
+    dynamic_decode_rows: bool = Field(
+        False,
+        description="hf engine: one compiled decode step for every row bucket (sizes as symbols; each bucket "
+        "still records its CUDA graph) instead of one compile per bucket: half the start-up compile with "
+        "two buckets",
+    )
     enable_prefix_caching: bool = Field(
         True, description="vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt)"
     )
