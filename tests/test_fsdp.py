@@ -252,6 +252,20 @@ def test_packed_logprobs_equal_padded(tiny: Path) -> None:
     assert (real | ~m).all()
     assert float((lp_pad - lp_pack).abs()[real].max()) < 1e-5
     assert float((ent_pad - ent_pack).abs()[real].max()) < 1e-5
+    # a compiled learner's layout (sequence axis rounded up: more right padding, or a filler sequence)
+    for packed in (False, True):
+        with torch.no_grad():
+            lp_8, ent_8 = forward.forward_logprobs(
+                model,
+                batch,
+                torch.device("cpu"),
+                packed=packed,
+                entropy=True,
+                seq_multiple=forward.SEQ_MULTIPLE,
+            )
+        assert lp_8.shape == lp_pad.shape and ent_8 is not None
+        assert float((lp_8 - lp_pad).abs()[real].max()) < 1e-5
+        assert float((ent_8 - ent_pad).abs()[real].max()) < 1e-5
     # and it really was one row: a model that saw across sequences would differ by far more
     ids = batch.input_ids[batch.attention_mask.bool()].unsqueeze(0)
     with torch.no_grad():
@@ -535,15 +549,21 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
     with torch.no_grad():
         want, _ = forward.forward_logprobs(plain, batch, cpu, packed=False, entropy=False)
         got, _ = forward.forward_logprobs(packed_model, batch, cpu, packed=True, entropy=False)
+        # a compiled learner's packed row, rounded up by a filler sequence
+        filled, _ = forward.forward_logprobs(
+            packed_model, batch, cpu, packed=True, entropy=False, seq_multiple=forward.SEQ_MULTIPLE
+        )
         padded, _ = forward.forward_logprobs(
             packed_model, batch, cpu, packed=False, entropy=False
         )  # sdpa fallback
-    assert len(calls) == cfg.num_hidden_layers  # the packed forward went through varlen, once a layer
+    assert len(calls) == 2 * cfg.num_hidden_layers  # the packed forwards went through varlen, once a layer
     m = batch.response_mask.bool()
+    assert int(batch.attention_mask.sum()) % forward.SEQ_MULTIPLE, "the filler has something to fill"
     assert float((got - want).abs()[m].max()) < 1e-5
+    assert float((filled - want).abs()[m].max()) < 1e-5
     assert float((padded - want).abs()[m].max()) < 1e-5
-    # rows of one length, a multiple of SEQ_MULTIPLE, have no padding to remove: they run as dense rows, not
-    # through varlen; rows of another length (which would need padding to the multiple) pack
+    # in a compiled learner, rows of one length, a multiple of SEQ_MULTIPLE, have no padding to remove: they
+    # run as dense rows, not through varlen; rows of another length (which would need padding) pack
     lengths = batch.attention_mask.sum(-1).tolist()
     aligned = lengths.index(forward.SEQ_MULTIPLE)
     odd = next(i for i, n in enumerate(lengths) if n % forward.SEQ_MULTIPLE)
@@ -551,6 +571,8 @@ def test_varlen_attention_wrapper_matches_padded(tmp_path: Path, monkeypatch: py
         calls.clear()
         one = batch.select([row, row])
         with torch.no_grad():
-            same, _ = forward.forward_logprobs(packed_model, one, cpu, packed=True, entropy=False)
+            same, _ = forward.forward_logprobs(
+                packed_model, one, cpu, packed=True, entropy=False, seq_multiple=forward.SEQ_MULTIPLE
+            )
         assert len(calls) == layer_calls, (lengths[row], len(calls))
         assert float((same - want[[row, row]]).abs()[one.response_mask.bool()].max()) < 1e-5

@@ -16,7 +16,8 @@ from rlbus.device_copy import to_device
 from rlbus.learner.varlen_attention import VARLEN_ATTENTION
 
 SEQ_MULTIPLE = 8
-"""The learner's sequence axis is a multiple of this: torch.compile's kernels guard on its alignment."""
+"""A compiled learner's sequence axis is a multiple of this: torch.compile's kernels guard on its alignment
+(eager layers take `seq_multiple=1`: padding would only cost compute)."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -30,11 +31,12 @@ def forward_logprobs(
     packed: bool,
     entropy: bool,
     chunk: int = DEFAULT_CHUNK_TOKENS,
+    seq_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of a micro-batch, ``[B, L-1]`` like the padded batch's masks.
 
-    Padded: the micro-batch is cut to its longest row, rounded up to SEQ_MULTIPLE (right padding makes that
-    exact). Packed, unless the rows have one length that is a multiple of SEQ_MULTIPLE (those run padded:
+    Padded: the micro-batch is cut to its longest row, rounded up to `seq_multiple` (right padding makes that
+    exact). Packed, unless the rows have one length that is a multiple of `seq_multiple` (those run padded:
     nothing to remove): all rows' real tokens in ONE row
     with position ids restarting at 0 per sequence and no attention mask, which transformers turns into
     a block-diagonal causal mask (sdpa/eager) or varlen flash attention; the values are scattered back
@@ -43,12 +45,18 @@ def forward_logprobs(
     amp = getattr(model, "_rlbus_autocast", None)
     if amp is not None:
         with torch.autocast(device.type, dtype=amp):
-            return _forward_logprobs(model, mb, device, packed, entropy, chunk)
-    return _forward_logprobs(model, mb, device, packed, entropy, chunk)
+            return _forward_logprobs(model, mb, device, packed, entropy, chunk, seq_multiple)
+    return _forward_logprobs(model, mb, device, packed, entropy, chunk, seq_multiple)
 
 
-def _forward_logprobs(
-    model: nn.Module, mb: TrainBatch, device: torch.device, packed: bool, entropy: bool, chunk: int
+def _forward_logprobs(  # noqa: PLR0913
+    model: nn.Module,
+    mb: TrainBatch,
+    device: torch.device,
+    packed: bool,
+    entropy: bool,
+    chunk: int,
+    seq_multiple: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from rlbus.modeling import token_logprobs
 
@@ -56,15 +64,15 @@ def _forward_logprobs(
     # busy GPU host (see _packed_layout)
     lengths = mb.attention_mask.cpu().numpy().sum(-1).astype(np.int64)
     bsz, width = mb.input_ids.shape
-    # Rows of one length, a multiple of SEQ_MULTIPLE, have no padding to remove: the dense rows are the
+    # Rows of one length, a multiple of seq_multiple, have no padding to remove: the dense rows are the
     # cheaper layout for the kernels (measured on the H200: varlen over equal lengths ran ~5% below batched
     # flash sdpa). Other equal lengths would need padding, and a mask: a third graph; they pack.
     # (one row goes the packed way: it is already one row, and varlen attention wants its bounds passed)
     equal = bsz > 1 and bool((lengths == lengths[0]).all())
-    if not packed or (equal and lengths[0] % SEQ_MULTIPLE == 0):
-        # cut to the longest row, rounded up to SEQ_MULTIPLE (past the batch's width if need be: more right
+    if not packed or (equal and lengths[0] % seq_multiple == 0):
+        # cut to the longest row, rounded up to seq_multiple (past the batch's width if need be: more right
         # padding), so the compiled layers see one alignment of the sequence axis, not one graph per alignment
-        w = round_up(max(int(lengths.max()), 2), SEQ_MULTIPLE)
+        w = round_up(max(int(lengths.max()), 2), seq_multiple)
         grow = (0, max(w - width, 0))
         out = token_logprobs(
             model,
@@ -83,7 +91,7 @@ def _forward_logprobs(
             lp = F.pad(lp, (0, pad))
             ent = F.pad(ent, (0, pad)) if ent is not None else None
         return lp, ent
-    layout = _packed_layout(mb, lengths)
+    layout = _packed_layout(mb, lengths, seq_multiple)
     bounds = {}
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == VARLEN_ATTENTION:
         # the sequence bounds, from host-side lengths: no device sync inside the (compiled) layers
@@ -124,14 +132,14 @@ class PackedLayout(NamedTuple):
     filler: int
 
 
-def _packed_layout(mb: TrainBatch, n: np.ndarray) -> PackedLayout:
+def _packed_layout(mb: TrainBatch, n: np.ndarray, seq_multiple: int) -> PackedLayout:
     """Where the real tokens of right-padded rows go in one packed row, worked out with numpy on the host
     (torch's CPU gathers, in a busy GPU host's thread pool, took milliseconds each: measured in the packed
     learner step's profile on the H200). Packed index j predicts packed token j + 1, so row b's predictions
     t = 0..n_b-2 sit at offset_b + t; the last token of a row predicts the next row's first (not wanted).
 
     The packed row ends in a filler sequence (pad tokens, positions from 0, nothing wanted) that rounds its
-    length up to SEQ_MULTIPLE: the compiled layers then see one alignment of the sequence axis, not a graph
+    length up to `seq_multiple`: the compiled layers then see one alignment of the sequence axis, not a graph
     per alignment (inductor guards on it: two recompiles in a GPU run's first step).
 
     ids/pos ``[1, T]``; wanted ``[1, T-1]`` (response positions); rows/cols/src: padded (row, column) of
@@ -142,7 +150,7 @@ def _packed_layout(mb: TrainBatch, n: np.ndarray) -> PackedLayout:
     cols = np.arange(int(n_pred.sum())) - np.repeat(np.cumsum(n_pred) - n_pred, n_pred)
     src = np.repeat(np.cumsum(n) - n, n_pred) + cols
     total = int(n.sum())
-    filler = round_up(total, SEQ_MULTIPLE) - total
+    filler = round_up(total, seq_multiple) - total
     wanted = np.zeros(max(total + filler - 1, 0), dtype=bool)
     wanted[src] = mb.response_mask.numpy()[rows, cols] > 0
     ids, pos = mb.input_ids.numpy()[keep], mb.position_ids.numpy()[keep]

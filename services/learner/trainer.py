@@ -133,6 +133,8 @@ class PolicyTrainer:
             self.cfg.model.use_remove_padding,
             entropy,
             self.cfg.model.logprob_chunk,
+            # compiled code guards on the sequence axis's alignment; eager code would only pay for padding
+            forward.SEQ_MULTIPLE if self.compiles_layers or self.compiles_kernels else 1,
         )
 
     def _micro_batches(self, batch: TrainBatch) -> list[microbatch.MicroBatch]:
