@@ -79,7 +79,6 @@ async def collect_status(bus: Any, alive_s: float = ALIVE_S) -> dict[str, Any]:
 
     state = await _open_state(bus)
     now = time.time()
-    policy_version = await state.get_policy_version(default=0)
     instances: list[dict[str, Any]] = []
     for service in SERVICES:
         for hb in await state.heartbeats(service):
@@ -96,6 +95,9 @@ async def collect_status(bus: Any, alive_s: float = ALIVE_S) -> dict[str, Any]:
                     "stats": {k: float(v) for k, v in hb.stats.items()},
                 }
             )
+    # read after the heartbeats: versions only grow, so no replica in the snapshot is ahead of the learner
+    # (read before, a push between the two reads showed a replica one version ahead, lag -1)
+    policy_version = await state.get_policy_version(default=0)
     instances.sort(key=lambda r: (SERVICES.index(r["service"]), r["instance"]))
     stages = {stage.value: await _stage_info(bus, stage) for stage in Stage}
     try:
