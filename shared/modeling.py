@@ -114,6 +114,11 @@ def load_causal_lm(
     return model
 
 
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (a padded length)."""
+    return -(-n // multiple) * multiple
+
+
 def pad_batch(
     prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

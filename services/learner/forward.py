@@ -14,14 +14,11 @@ if TYPE_CHECKING:
 from rlbus.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rlbus.device_copy import to_device
 from rlbus.learner.varlen_attention import VARLEN_ATTENTION
+from rlbus.modeling import round_up
 
 SEQ_MULTIPLE = 8
 """A compiled learner's sequence axis is a multiple of this: torch.compile's kernels guard on its alignment
 (eager layers take `seq_multiple=1`: padding would only cost compute)."""
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def forward_logprobs(

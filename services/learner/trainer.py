@@ -29,7 +29,7 @@ from rlbus.learner.algorithms.policy_loss import (
 from rlbus.learner.batch import TrainBatch, placeholder_batch, row_index
 from rlbus.learner.dist import context as dist_context
 from rlbus.learner.optim import build_optimizer, build_scheduler
-from rlbus.modeling import torch_dtype
+from rlbus.modeling import round_up, torch_dtype
 from rlbus.plugins import is_import_path, load_callable
 
 
@@ -117,9 +117,7 @@ class PolicyTrainer:
     def _largest_micro_batch(self) -> tuple[int, int]:
         """(rows, tokens per row) of the largest micro-batch a step can run."""
         cfg, actor = self.cfg, self.cfg.actor
-        width = forward.round_up(
-            cfg.data.max_prompt_length + cfg.data.max_response_length, forward.SEQ_MULTIPLE
-        )
+        width = round_up(cfg.data.max_prompt_length + cfg.data.max_response_length, forward.SEQ_MULTIPLE)
         rows = actor.ppo_micro_batch_size
         if cfg.model.use_remove_padding and actor.use_dynamic_bsz:
             rows = max(1, actor.ppo_max_token_len_per_gpu // width)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbus.modeling import round_up
+
 WIDTH_STEP = 32  # prompt widths are rounded up to this (left padding is masked, so it changes nothing)
 SMALL_BUCKET_SHARE = 8  # the small bucket is this share of the large one: validation and partial fetches
 
 
 def bucket_width(width: int, step: int = WIDTH_STEP) -> int:
     """Prompt width rounded up to a multiple of `step`."""
-    return -(-width // step) * step
+    return round_up(width, step)
 
 
 @dataclass(frozen=True)
