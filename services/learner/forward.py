@@ -70,16 +70,20 @@ def _forward_logprobs(  # noqa: PLR0913
         # cut to the longest row, rounded up to seq_multiple (past the batch's width if need be: more right
         # padding), so the compiled layers see one alignment of the sequence axis, not one graph per alignment
         w = round_up(max(int(lengths.max()), 2), seq_multiple)
-        grow = (0, max(w - width, 0))
+        grow = w - width
+
+        def cut(t: torch.Tensor, n: int) -> torch.Tensor:  # a view, copied only where the width must grow
+            return F.pad(t, (0, grow)) if grow > 0 else t[:, :n]
+
         out = token_logprobs(
             model,
-            to_device(F.pad(mb.input_ids[:, :w], grow), device),
-            to_device(F.pad(mb.attention_mask[:, :w], grow), device),
-            to_device(F.pad(mb.position_ids[:, :w], grow), device),
+            to_device(cut(mb.input_ids, w), device),
+            to_device(cut(mb.attention_mask, w), device),
+            to_device(cut(mb.position_ids, w), device),
             mb.temperature,
             return_entropy=entropy,
             chunk_tokens=chunk,
-            positions=F.pad(mb.response_mask[:, : w - 1], grow).bool(),
+            positions=cut(mb.response_mask, w - 1).bool(),
         )
         lp, ent = _with_entropy(out)
         lp, ent = lp[:, : width - 1], ent[:, : width - 1] if ent is not None else None

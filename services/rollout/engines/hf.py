@@ -97,9 +97,7 @@ class HFEngine(RolloutEngine):
         dynamic_rows: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
-        self.dynamic_rows = (
-            dynamic_rows  # one decode graph for every row bucket (the bench's hf-dynamic-rows)
-        )
+        self.dynamic_rows = dynamic_rows  # one decode graph for every row bucket (_compile_config)
         self.device = pick_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -272,7 +270,7 @@ class HFEngine(RolloutEngine):
         """transformers' default (CUDA graphs on a GPU) with a static graph per batch shape, or with
         `dynamic_rows` one graph whose sizes are symbols (each bucket still records its own CUDA graph: one
         compile at start instead of one per bucket); on the CPU it compiles only when asked to (tests)."""
-        config = CompileConfig(dynamic=True if self.dynamic_rows else False)
+        config = CompileConfig(dynamic=self.dynamic_rows)
         if self.device.type != "cuda":
             setattr(config, "_compile_all_devices", True)  # noqa: B010 (transformers' private test switch)
         return config
