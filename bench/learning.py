@@ -9,7 +9,8 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
 2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
-   checkpointing off, TRL with its static cache and compiled decode, rlbus's replica generating the whole
+   checkpointing off, both training eager (`--learner-compile` compiles rlbus's layers), TRL with its static
+   cache and compiled decode, rlbus's replica generating the whole
    batch in one call as TRL does (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
    master weights in its optimizer, TRL trains fp32 weights under bf16 autocast (`--trl-precision mixed`; `bf16`
    puts TRL's weights in bf16, where AdamW's updates at these learning rates are mostly rounded away);
@@ -234,6 +235,7 @@ def run_rlbus(
         "trainer.save_freq=-1", f"trainer.async_level={level}", f"trainer.device={args.device}",
         f"rollout.prompts_per_batch={args.prompts}", f"rollout.max_num_seqs={args.prompts * args.n}",
         f"rollout.device={args.device}", f"model.dtype={args.dtype}",
+        f"actor_rollout_ref.actor.use_torch_compile={str(args.learner_compile).lower()}",
     ]  # fmt: skip
     print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
     log = work / f"{run_id}.log"
@@ -345,6 +347,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="pretrain with deterministic kernels, so a bench split over two device calls on the same kind of "
         "card rebuilds the same model (about 1.8x slower on an H100); off, measure every system in one call",
+    )
+    p.add_argument(
+        "--learner-compile",
+        action="store_true",
+        help="rlbus's learner compiles its decoder layers (its default for a model of this size); off by default "
+        "here, as TRL trains eager: a compile of 20-50 s is not won back in a budget of minutes",
     )
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")

@@ -43,7 +43,7 @@ case $part in
   echo "== checkpoint cost, 0.5B shape"
   timeout 200 "$py" bench/checkpoint.py --steps 15 --rounds 3 2>&1 | grep -E "GB of|round|median|memory:|off"
   echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
-  timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines "${DECODE_ENGINES:-hf,hf-dynamic-rows,hf-sdpa-decode}" \
+  timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines "${DECODE_ENGINES:-hf,hf-sdpa-decode}" \
     --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
     --pushes 0 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16

@@ -286,35 +286,30 @@ def test_weight_push_over_gloo_swaps_weights(tiny: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dynamic_rows", [False, True])
+@pytest.mark.parametrize("small_bucket", [False, True])
 def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
-    tiny: Path, dynamic_rows: bool
+    tiny: Path, small_bucket: bool
 ) -> None:
     """A partial fetch, a validation batch of one row, a longer prompt and a shorter budget after start-up
     reuse the graphs `warm_up` compiled (dynamo counts none new), and greedy output equals the eager engine's.
-    One graph per row bucket; with rollout.dynamic_decode_rows one for both."""
+    One graph per row bucket: the fetch's rows, and with rollout.decode_small_bucket an eighth of them."""
     from torch._dynamo.utils import counters
 
     from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
 
     torch._dynamo.reset()
-    shapes = plan_decode_shapes(16, 24, 8)
-    compiled = HFEngine(
-        tiny,
-        device="cpu",
-        max_batch_rows=16,
-        compiled_decode=True,
-        decode_shapes=shapes,
-        dynamic_rows=dynamic_rows,
-    )
+    shapes = plan_decode_shapes(16, 24, 8, small_bucket=small_bucket)
+    compiled = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=True, decode_shapes=shapes)
     eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
     said: list[str] = []
     before = counters["stats"]["unique_graphs"]
     compiled.warm_up(said.append)
     at_start = counters["stats"]["unique_graphs"]
-    assert len(shapes.row_buckets) == 2
-    assert at_start - before == (1 if dynamic_rows else 2)
-    assert len(said) == 3 and "16, 2 rows" in said[0] and said[1].startswith("[1/2] decode step for 16 rows")
+    buckets = 2 if small_bucket else 1
+    assert shapes.row_buckets == ((2, 16) if small_bucket else (16,))
+    assert at_start - before == buckets
+    assert len(said) == 1 + buckets and said[1].startswith(f"[1/{buckets}] decode step for 16 rows")
+    assert ("16, 2 rows" if small_bucket else "(16 rows") in said[0]
     tok = compiled.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     batches = [

@@ -68,9 +68,9 @@ def test_keys_that_mean_nothing_here_are_warned_about() -> None:
     assert inert_key_warnings(load_config(None, [])) == []
     gae = load_config(None, ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-5"])
     assert not any("critic." in w for w in inert_key_warnings(gae))
-    vllm = load_config(None, ["rollout.name=vllm", "rollout.dynamic_decode_rows=true"])
-    assert "rollout.dynamic_decode_rows has no effect with rollout.name=vllm" in inert_key_warnings(vllm)
-    assert inert_key_warnings(load_config(None, ["rollout.dynamic_decode_rows=true"])) == []
+    vllm = load_config(None, ["rollout.name=vllm", "rollout.decode_small_bucket=true"])
+    assert "rollout.decode_small_bucket has no effect with rollout.name=vllm" in inert_key_warnings(vllm)
+    assert inert_key_warnings(load_config(None, ["rollout.decode_small_bucket=true"])) == []
 
 
 def test_tensorboard_dir_follows_verl(tmp_path, monkeypatch) -> None:

@@ -52,8 +52,8 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
         )
     if cfg.rollout.name not in ("vllm", "sglang") and _set(cfg.rollout, "enable_prefix_caching"):
         out.append("rollout.enable_prefix_caching has no effect with rollout.name=hf")
-    if cfg.rollout.name != "hf" and cfg.rollout.dynamic_decode_rows:
-        out.append(f"rollout.dynamic_decode_rows has no effect with rollout.name={cfg.rollout.name}")
+    if cfg.rollout.name != "hf" and cfg.rollout.decode_small_bucket:
+        out.append(f"rollout.decode_small_bucket has no effect with rollout.name={cfg.rollout.name}")
     if trainer.critic_warmup:
         out.append(
             f"trainer.critic_warmup={trainer.critic_warmup} has no effect: the critic and the actor "
