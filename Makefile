@@ -6,7 +6,7 @@ TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST := $(PY) -m pytest
 
-.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl bench-claim-check bench-bus bench-learning tiny-model clean
+.PHONY: install test test-slow test-faults test-chaos test-vllm test-gpu test-slurm test-compose test-all demo lint format bench bench-rollout bench-learner bench-e2e bench-nccl bench-claim-check bench-reward-function bench-bus bench-learning tiny-model clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -94,6 +94,10 @@ bench-nccl:
 
 bench-claim-check:
 	$(PY) bench/claim_check.py
+
+# A user's reward function (verl's compute_score) through its sandbox: a round trip per group against per response.
+bench-reward-function:
+	$(PY) bench/reward_function.py
 
 # Groups/s the bus carries with no model: simulated replicas, real reward processes, the learner's consumer.
 bench-bus:

@@ -20,6 +20,13 @@ def sleeps(prompt: str, response: str, meta: dict) -> float:
     return 1.0
 
 
+def sleeps_on_request(prompt: str, response: str, meta: dict) -> tuple[float, bool]:
+    """double_score, but a response of "slow" never returns in time: the others of its group must still score."""
+    if response.strip() == "slow":
+        time.sleep(30)
+    return double_score(prompt, response, meta)
+
+
 def hogs_memory(prompt: str, response: str, meta: dict) -> float:
     blob = bytearray(2 * 1024**3)  # over the sandbox's memory limit
     return float(len(blob))

@@ -77,6 +77,44 @@ def test_user_function_timeout_and_memory_limit() -> None:
         hog.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_group_scores_in_one_round_trip_and_each_failure_stays_with_its_own_sample() -> None:
+    """A group's samples go to the sandbox together (one round trip, not one per response); a raising, a hanging
+    or a non-reward sample marks only itself, and the worker comes back after the hang."""
+    from rlbus.reward import sandbox
+
+    flaky = FunctionScorer("reward_fns:flaky_addition", timeout_s=10, memory_mb=512)
+    slow = FunctionScorer("reward_fns:sleeps_on_request", timeout_s=1.0, memory_mb=512)
+    trips = 0
+    real_call_each = sandbox.Sandbox.call_each
+
+    def counted(self, calls):  # the real round trip, counted
+        nonlocal trips
+        trips += 1
+        return real_call_each(self, calls)
+
+    try:
+        sandbox.Sandbox.call_each = counted  # type: ignore[method-assign]
+        texts = [str(40 + i) for i in range(64)]  # "46" is right; flaky_addition raises on 86, 87 and 98
+        scored = score_group(flaky, _group(texts), on_error=-1.0)
+        assert trips == 1
+        raised = [e is not None for e in scored.reward_errors]
+        assert 0 < sum(raised) < len(texts), "the fixture should make some samples raise and not others"
+        for text, reward, error in zip(texts, scored.rewards, scored.reward_errors, strict=True):
+            if error is None:
+                assert reward == (1.0 if text == "46" else 0.0)
+            else:
+                assert "flaky reward function" in error and reward == -1.0
+        hung = score_group(slow, _group(["46", "slow", "47"]), on_error=-1.0)
+        assert hung.rewards == [2.0, -1.0, 0.0]
+        assert hung.reward_errors[0] is None and "exceeded 1.0s" in str(hung.reward_errors[1])
+        assert score_group(slow, _group(["46"]), on_error=-1.0).rewards == [2.0]  # a fresh worker
+    finally:
+        sandbox.Sandbox.call_each = real_call_each  # type: ignore[method-assign]
+        flaky.close()
+        slow.close()
+
+
 def test_bad_function_spec_fails_at_start_naming_it() -> None:
     with pytest.raises(ValueError, match="no_such_mod"):
         build_scorer(RewardConfig(type="function", function="no_such_mod:fn"))

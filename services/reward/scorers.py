@@ -2,14 +2,16 @@
 reward model.
 
 Every scorer maps (prompt, response, meta) -> (reward, correct). A batched one (``batched`` true) maps a
-list of them in one call (`score_batch`): a reward model's forward pass, verl's batch reward manager. A
-scorer that raises is recorded and scores `reward.on_error_score`; it never takes the service down.
+list of them in one call (`score_batch`): a reward model's forward pass, verl's batch reward manager. A user
+function's scorer takes a group's items in one round trip to its sandbox (`score_each`), each item its own
+outcome. A scorer that raises is recorded and scores `reward.on_error_score`; it never takes the service down.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from rlbus.config.schema import RewardConfig, RewardModelConfig
@@ -88,6 +90,15 @@ SAMPLE_META: dict[str, Any] = {
     "answer": "72",
     "extra_info": {"split": "train", "index": 0, "rlbus_probe": True},
 }
+
+
+def _outcome(call: Callable[[], tuple[bool, Any]]) -> tuple[float, bool] | str:
+    """A reward from (ok, value), or the error as text: the call's own, or why the value is not a reward."""
+    try:
+        ok, value = call()
+        return _as_reward(value) if ok else str(value)[:500]
+    except Exception as exc:  # noqa: BLE001 - user code and its values: anything can be wrong
+        return f"{type(exc).__name__}: {exc}"[:500]
 
 
 class FunctionScorer:
@@ -186,13 +197,25 @@ class FunctionScorer:
             raise TypeError(f"batch reward function returned {type(out).__name__}, not {len(items)} scores")
         return [_as_reward(v) for v in out]
 
-    def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
+    def _call_args(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[Any, ...]:
         if self.verl:
             ground_truth = meta.get("ground_truth", meta.get("answer"))
-            return _as_reward(
-                self._sandbox.call(meta.get("data_source"), response, ground_truth, meta.get("extra_info"))
-            )
-        return _as_reward(self._sandbox.call(prompt, response, meta))
+            return (meta.get("data_source"), response, ground_truth, meta.get("extra_info"))
+        return (prompt, response, meta)
+
+    def score(self, prompt: str, response: str, meta: dict[str, Any]) -> tuple[float, bool]:
+        return _as_reward(self._sandbox.call(*self._call_args(prompt, response, meta)))
+
+    def score_each(self, items: list[Item]) -> list[tuple[float, bool] | str]:
+        """Each item's reward, or its error as text, from one round trip to the sandbox (the function is still
+        called once per item). If the round trip itself fails (past the items' summed time limits, or the
+        worker died), the items go again one call each, so the failure lands on its own item alone."""
+        calls = [self._call_args(p, r, m) for p, r, m in items]
+        try:
+            outcomes = self._sandbox.call_each(calls)
+        except Exception:  # noqa: BLE001 - a hang or a dead worker: find which item, one call at a time
+            return [_outcome(lambda a=args: (True, self._sandbox.call(*a))) for args in calls]
+        return [_outcome(lambda o=o: o) for o in outcomes]
 
     def close(self) -> None:
         self._sandbox.close()

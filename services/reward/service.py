@@ -42,8 +42,10 @@ def _error(exc: Exception) -> str:
 
 
 def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list[ScoredGroup]:
-    """Every sample of `groups`: one call for a batched scorer (a failure marks the whole call's samples),
-    else one call per sample (a failure marks that sample). Failed samples score `on_error`."""
+    """Every sample of `groups`: one call for a batched scorer (a failure marks the whole call's samples), the
+    scorer's own outcome per sample where it scores many at once (`score_each`: a user function's one round
+    trip to its sandbox), else one call per sample (a failure marks that sample). Failed samples score
+    `on_error`."""
     items = [(g.work.prompt_text, s.text, dict(g.work.meta)) for g in groups for s in g.samples]
     results: list[tuple[float, bool] | str] = []
     if getattr(scorer, "batched", False) and items:
@@ -51,6 +53,8 @@ def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list
             results = list(scorer.score_batch(items))
         except Exception as exc:  # user code / model: anything can happen; record it and go on
             results = [_error(exc)] * len(items)
+    elif hasattr(scorer, "score_each") and items:
+        results = list(scorer.score_each(items))
     else:
         for prompt, response, meta in items:
             try:
