@@ -75,10 +75,9 @@ def build_policy_model(cfg: RlbusConfig, model_path: Path | str, ctx: DistContex
         # Every block shares one code object, so its graphs (grad on/off, packed or padded) count against
         # one recompile limit: past torch's default of 8, dynamo silently runs the block eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # Dynamic from the start: the first step compiles the graph every later width reuses. With torch's
-        # default, step 2's new width recompiles the blocks dynamic (measured on CPU; likely the 8-10 s
-        # step-2 pause seen on the H200, not yet rechecked there).
-        log.info("the decoder layers compile on the first step (dynamic shapes: once)")
+        # Dynamic from the start: one graph for every width (with torch's default, the second width
+        # recompiles the blocks dynamic). The trainer's warm-up compiles them before step 1.
+        log.info("the decoder layers are compiled, with dynamic shapes")
         for layer in decoder_layers(model):  # one compiled graph, reused by every (identical) block
             layer.compile(dynamic=True)
     if mcfg.enable_gradient_checkpointing:
