@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from rlbus.config.schema import RewardConfig, RewardModelConfig
@@ -92,12 +91,13 @@ SAMPLE_META: dict[str, Any] = {
 }
 
 
-def _outcome(call: Callable[[], tuple[bool, Any]]) -> tuple[float, bool] | str:
-    """A reward from (ok, value), or the error as text: the call's own, or why the value is not a reward."""
+def _outcome(ok: bool, value: Any) -> tuple[float, bool] | str:
+    """A reward from a call's (ok, value), or the error as text: the call's own, or why the value is not one."""
+    if not ok:
+        return str(value)[:500]
     try:
-        ok, value = call()
-        return _as_reward(value) if ok else str(value)[:500]
-    except Exception as exc:  # noqa: BLE001 - user code and its values: anything can be wrong
+        return _as_reward(value)
+    except Exception as exc:  # noqa: BLE001 - the user's values: anything can be wrong
         return f"{type(exc).__name__}: {exc}"[:500]
 
 
@@ -214,8 +214,14 @@ class FunctionScorer:
         try:
             outcomes = self._sandbox.call_each(calls)
         except Exception:  # noqa: BLE001 - a hang or a dead worker: find which item, one call at a time
-            return [_outcome(lambda a=args: (True, self._sandbox.call(*a))) for args in calls]
-        return [_outcome(lambda o=o: o) for o in outcomes]
+            outcomes = [self._call_alone(args) for args in calls]
+        return [_outcome(ok, value) for ok, value in outcomes]
+
+    def _call_alone(self, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        try:
+            return True, self._sandbox.call(*args)
+        except Exception as exc:  # noqa: BLE001 - user code, a timeout, a dead worker: this item's error
+            return False, f"{type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         self._sandbox.close()
