@@ -391,7 +391,9 @@ async def rollout_loop(ctx: ServiceContext) -> int:
                 ctx.log.error("weight task ended; restarting it", error=str(exc) if exc else None)
                 weights = asyncio.create_task(replica.weight_loop())
             linger_s = linger_after(replica.last_pass_s)
-            deliveries = await fetch_batch(consumer, cfg.rollout.prompts_per_batch, 1.0, linger_s)
+            deliveries = await fetch_batch(
+                consumer, cfg.rollout.prompts_per_batch * cfg.rollout.n, cfg.rollout.n, 1.0, linger_s
+            )
             again = [d for d in deliveries if d.num_delivered > 1]
             if again:  # a replica died (or timed out) holding this work, or it was nak'ed back
                 ctx.log.info(

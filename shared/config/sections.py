@@ -180,7 +180,12 @@ class RolloutConfig(Section):
     ignore_eos: bool = Field(
         False, description="generate max_response_length tokens past end tokens (benchmarks)"
     )
-    prompts_per_batch: int = Field(8, ge=1, description="prompt work items a replica generates together")
+    prompts_per_batch: int = Field(
+        8,
+        ge=1,
+        description="training prompts a replica generates together: a batch holds up to prompts_per_batch x n "
+        "rows, so validation prompts (n=1) come n times as many to a pass",
+    )
     replicas: int = Field(1, ge=1, description="rollout processes `rlbus up` starts")
     seed: int = Field(
         0, description="sampling seed of the replicas (each replica and call derives its own from it)"
