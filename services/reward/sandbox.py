@@ -34,6 +34,11 @@ def _limit_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def error_text(exc: BaseException) -> str:
+    """How a failed reward call is recorded against its response: its type and message, at most 500 characters."""
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 _resolved: dict[str, Any] = {}  # in the worker: the user's module runs once, not once per call
 
 
@@ -57,7 +62,7 @@ def _call_each(spec: str, calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]
         try:
             out.append((True, fn(*args)))
         except Exception as exc:  # noqa: BLE001 - user code can raise anything: that item's error
-            out.append((False, f"{type(exc).__name__}: {exc}"))
+            out.append((False, error_text(exc)))
     return out
 
 

@@ -14,6 +14,7 @@ import urllib.request
 from typing import Any, Protocol
 
 from rlbus.config.schema import RewardConfig, RewardModelConfig
+from rlbus.reward.sandbox import error_text
 
 Item = tuple[str, str, dict[str, Any]]  # (prompt, response, meta)
 
@@ -94,11 +95,11 @@ SAMPLE_META: dict[str, Any] = {
 def _outcome(ok: bool, value: Any) -> tuple[float, bool] | str:
     """A reward from a call's (ok, value), or the error as text: the call's own, or why the value is not one."""
     if not ok:
-        return str(value)[:500]
+        return str(value)
     try:
         return _as_reward(value)
     except Exception as exc:  # noqa: BLE001 - the user's values: anything can be wrong
-        return f"{type(exc).__name__}: {exc}"[:500]
+        return error_text(exc)
 
 
 class FunctionScorer:
@@ -221,7 +222,7 @@ class FunctionScorer:
         try:
             return True, self._sandbox.call(*args)
         except Exception as exc:  # noqa: BLE001 - user code, a timeout, a dead worker: this item's error
-            return False, f"{type(exc).__name__}: {exc}"
+            return False, error_text(exc)
 
     def close(self) -> None:
         self._sandbox.close()

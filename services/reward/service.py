@@ -8,6 +8,7 @@ import time
 from rlbus.bus.keepalive import held_work_ack_wait, keepalive_every, kept_alive
 from rlbus.config import RlbusConfig
 from rlbus.messages import ReadyGroup, ScoredGroup, TrajectoryGroup
+from rlbus.reward.sandbox import error_text
 from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
 
 FETCH_BATCH = 16
@@ -37,10 +38,6 @@ class FailureStreak:
         return self.limit > 0 and self.count >= self.limit
 
 
-def _error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
-
-
 def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list[ScoredGroup]:
     """Every sample of `groups`: one call for a batched scorer (a failure marks the whole call's samples), the
     scorer's own outcome per sample where it scores many at once (`score_each`: a user function's one round
@@ -52,7 +49,7 @@ def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list
         try:
             results = list(scorer.score_batch(items))
         except Exception as exc:  # user code / model: anything can happen; record it and go on
-            results = [_error(exc)] * len(items)
+            results = [error_text(exc)] * len(items)
     elif hasattr(scorer, "score_each") and items:
         results = list(scorer.score_each(items))
     else:
@@ -60,7 +57,7 @@ def score_groups(scorer, groups: list[TrajectoryGroup], on_error: float) -> list
             try:
                 results.append(scorer.score(prompt, response, meta))
             except Exception as exc:
-                results.append(_error(exc))
+                results.append(error_text(exc))
     out, i = [], 0
     for g in groups:
         rewards, correct, errors = [], [], []
