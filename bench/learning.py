@@ -10,8 +10,8 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
    checkpointing off, both training eager (`--learner-compile` compiles rlbus's layers), TRL with its static
-   cache and compiled decode, rlbus's replica generating the whole
-   batch in one call as TRL does (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
+   cache and compiled decode, rlbus's replica generating the whole batch in one call as TRL does
+   (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
    master weights in its optimizer, TRL trains fp32 weights under bf16 autocast (`--trl-precision mixed`; `bf16`
    puts TRL's weights in bf16, where AdamW's updates at these learning rates are mostly rounded away);
 3. each system launched with torch.compile and Triton caches of its own, empty (`cold_compile_env`): its

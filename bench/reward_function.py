@@ -13,6 +13,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ def groups_of(groups: int, n: int) -> list[list[tuple[str, str, dict[str, Any]]]
     return out
 
 
-def timed(run: Any, rounds: int) -> float:
+def timed(run: Callable[[], object], rounds: int) -> float:
     """Median seconds of `rounds` runs, after one warm-up run (the worker's start)."""
     run()
     seconds = []
