@@ -211,19 +211,26 @@ class Dispatcher:
         )
 
     async def dispatch_validation(self, records: list, version: int, step: int) -> dict[str, int]:
-        """Greedy, one sample per prompt, through the same services; returns prompt id -> record index."""
+        """Greedy, one sample per prompt, through the same services; returns prompt id -> record index.
+
+        The publishes go out together, as a top-up's do: one after another, each waiting for the server's
+        ack, they reached a replica over tens of milliseconds, and its first fetch took the first prompt
+        alone (a decode pass of its own, on the CPU box's learning bench at every evaluation)."""
         from rlbus.bus import Stage
 
-        pending: dict[str, int] = {}
-        for i, (prompt, meta) in enumerate(records):
-            prompt_id = f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}"
-            await self.bus.publish(
-                Stage.PROMPTS,
-                self._validation_work(prompt_id, i, prompt, meta, version, step),
-                msg_id=prompt_id,
+        works = [
+            self._validation_work(
+                f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}", i, prompt, meta, version, step
             )
-            pending[prompt_id] = i
-        return pending
+            for i, (prompt, meta) in enumerate(records)
+        ]
+        sent = await asyncio.gather(
+            *(self.bus.publish(Stage.PROMPTS, w, msg_id=w.prompt_id) for w in works), return_exceptions=True
+        )
+        failed = next((r for r in sent if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return {w.prompt_id: w.index for w in works}
 
     async def dispatch_validation_again(
         self, records: list, index: int, version: int, step: int, attempt: int

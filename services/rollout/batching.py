@@ -27,8 +27,11 @@ MORE_WAIT_S = 0.05  # a fetch that came back full asks again for what is stored 
 
 
 def linger_after(last_pass_s: float) -> float:
-    """How long a partial batch waits for more work after each arrival: 0 where passes are cheap. A pull that
-    finds nothing more waits at least 50 ms (`Consumer.fetch`'s floor), so that is what a short wait costs."""
+    """How long a partial batch waits for more work after each arrival: 0 where passes are cheap, the most
+    before the first pass (whose cost is not known yet). A pull that finds nothing more waits at least 50 ms
+    (`Consumer.fetch`'s floor), so that is what a short wait costs."""
+    if last_pass_s <= 0:  # no pass yet: the first batch (the evaluation before training) waits the most
+        return LINGER_MAX_S
     linger = min(LINGER_SHARE * last_pass_s, LINGER_MAX_S)
     return linger if linger >= LINGER_MIN_S else 0.0
 

@@ -347,7 +347,12 @@ async def serve_batch(ctx: ServiceContext, replica: Replica, deliveries: list[Wo
     finally:
         ctx.hold([])
     ctx.stats["tokens"] += tokens
-    ctx.log.info("generated", version=replica.version, prompt_ids=[d.message.prompt_id for d in deliveries])
+    ctx.log.info(
+        "generated",
+        version=replica.version,
+        rows=sum(d.message.n for d in deliveries),  # against rollout.prompts_per_batch x n: a pass's fill
+        prompt_ids=[d.message.prompt_id for d in deliveries],
+    )
 
 
 async def rollout_loop(ctx: ServiceContext) -> int:
