@@ -72,3 +72,36 @@ def test_val_only_scores_the_starting_policy_and_trains_nothing(
     assert rows[0]["val/prompts"] == 64 and rows[0]["val/version"] == 0
     assert rows[0]["val/accuracy"] == pytest.approx(offline_greedy_accuracy(cfg), abs=1e-9)
     assert not ledger["trained"] and not ledger["dispatched"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_level", [0, 1])
+def test_an_evaluation_during_training_is_answered_by_its_own_step_weights(
+    async_level: int, nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """The learner trains beside an evaluation and pushes newer weights only once it is answered: every
+    answer of the evaluation at step s comes from version s, whatever was queued at the replica."""
+    from e2e_utils import Run, make_config
+
+    cfg = make_config(
+        nats_url,
+        run_id,
+        tmp_path,
+        [
+            "trainer.total_training_steps=6",
+            "trainer.val_before_train=true",
+            "trainer.test_freq=2",
+            f"trainer.async_level={async_level}",
+            # an evaluation of many passes (16 rows each), so it is still being answered when the update ends
+            "data.num_val_examples=128",
+            "rollout.prompts_per_batch=2",
+            "rollout.n=8",
+        ],
+    )
+    with Run(cfg) as run:
+        assert run.wait_learner(240) == 0, run.logs("learner")
+    rows = run.metrics()
+    held_out = [(r["step"], r["val/version"], r["val/version_max"]) for r in rows if "val/version" in r]
+    # ours in the row of the step after it (1-based), the final one in a row of its own at the last step
+    assert held_out == [(1, 0, 0), (3, 2, 2), (5, 4, 4), (6, 6, 6)], held_out
+    assert all(r["timing/validation_wait_s"] >= 0 for r in rows if "val/version" in r and r["step"] < 6)

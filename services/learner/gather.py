@@ -81,8 +81,9 @@ def validation_metrics(results: list[tuple[float, bool, int, str]]) -> dict[str,
     """Held-out scores from (reward, correct, policy version that answered, data source) per validation
     prompt; verl's `val-core/<data_source>/reward/mean@1` per source beside ours.
 
-    Validation work asks for the learner's version at dispatch and the step waits for it before the next
-    push, so every answer comes from exactly those weights; the record says which answered."""
+    Validation work asks for the learner's version at dispatch and the learner waits for its answers
+    before the next push (training beside it), so every answer comes from exactly those weights; the record
+    says which answered."""
     if not results:
         return {}
     versions = [v for _, _, v, _ in results]
@@ -209,13 +210,22 @@ class Gatherer:
     async def gather(self, step: int, need: int) -> list:
         """Ready groups for one batch: fresh enough, not duplicates, (DAPO) not all-equal when asked.
 
-        Validation groups that arrive meanwhile are scored into `val_results`; the batch is complete only
-        when the validation started for this step is complete too.
+        Validation groups that arrive meanwhile are scored into `val_results`; the batch does not wait for
+        the rest of them (`finish_validation` does).
         """
+        return await self._collect(step, need, validation=False)
+
+    async def finish_validation(self, step: int) -> None:
+        """Until every validation answer started for `step` is in; training groups that come meanwhile are
+        held for the next batch. The learner calls it before it pushes newer weights: the replicas answer
+        the evaluation with the version it is labelled with, while the learner trains beside it."""
+        await self._collect(step, 0, validation=True)
+
+    async def _collect(self, step: int, need: int, validation: bool) -> list:
         learner = self.learner
         batch: list = []
         started = last_log = last_keepalive = last_progress = time.monotonic()
-        while len(batch) < need or self.val_pending:
+        while len(batch) < need or (validation and self.val_pending):
             if learner.ctx.stop.is_set():
                 raise asyncio.CancelledError
             delivered = learner.pusher.pushed_version >= learner.version

@@ -289,15 +289,16 @@ class Learner:
             groups = [d.message for d in deliveries]
             batch = collate(groups, pad_id)
             metrics = batch_metrics(groups, self.version)
-            if (
-                validate
-            ):  # verl's names at verl's step (the policy after `step` updates); ours in the step's row
+            metrics.update(await self._train(step, batch))
+            t_trained = time.perf_counter()
+            if validate:  # answered beside the update; newer weights go out only after it
+                await self.gatherer.finish_validation(step)
+                # verl's names at verl's step (the policy after `step` updates); ours in the step's row
                 held_out = self.gatherer.validation_metrics()
                 verl_row = validation_row(held_out)
                 self.writer.log(step, verl_row)
                 metrics.update({k: v for k, v in held_out.items() if k not in verl_row})
-            metrics.update(await self._train(step, batch))
-            t_trained = time.perf_counter()
+                metrics["timing/validation_wait_s"] = time.perf_counter() - t_trained
             if cfg.trainer.rollout_data_dir:
                 write_rollout_data(cfg.trainer.rollout_data_dir, step + 1, groups)
             self.version += 1
@@ -394,7 +395,7 @@ class Learner:
         await asyncio.to_thread(save_hf, self.trainer.model, self.tokenizer, self.run_dir / "final")
         if self.cfg.trainer.test_freq > 0 and self.val_records:
             await self.start_validation(self.total_steps)
-            await self.gatherer.gather(self.total_steps, need=0)
+            await self.gatherer.finish_validation(self.total_steps)
             self.writer.log(
                 self.total_steps,
                 {"policy/version": float(self.version), **self.gatherer.validation_metrics()},
@@ -423,7 +424,7 @@ class Learner:
             self.ctx.log.warning("trainer.val_only=true but there are no validation rows; nothing to do")
         else:
             await self.start_validation(self.start_step)
-            await self.gatherer.gather(self.start_step, need=0)
+            await self.gatherer.finish_validation(self.start_step)
             self.writer.log(
                 self.start_step, {"policy/version": float(self.version), **self.gatherer.validation_metrics()}
             )
