@@ -1,9 +1,11 @@
 """How fast the reward service scores with a user's function (verl's `compute_score`, run in its sandbox), side by
 side in one run on the same responses: one round trip to the sandbox per response with the user's file loaded
-again for every call (rlbus before 2026-12-06), one round trip per response, and one per group
-(`FunctionScorer.score_each`, what the service does). Prints responses/s of each and the ratios.
+again for every call (rlbus before 2026-12-06), one round trip per response, one per group
+(`FunctionScorer.score_each`), and one per chunk of groups up to 16 responses (`chunk_groups`, what the service
+does). Prints responses/s of each and the ratios.
 
     python bench/reward_function.py                          # 64 groups x 8 responses, bench/worked_addition.py
+    python bench/reward_function.py --groups 256 --n 1       # an evaluation's shape: one response a group
     python bench/reward_function.py --groups 128 --n 16 --rounds 5
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 
 from rlbus.reward.sandbox import resolve_callable
 from rlbus.reward.scorers import FunctionScorer
+from rlbus.reward.service import CHUNK_SAMPLES, chunk_groups
 
 SPEC = f"{Path(__file__).with_name('worked_addition.py')}:compute_score"
 
@@ -66,6 +69,7 @@ def main() -> int:
         for group in batch
         for _, response, meta in group
     ]
+    chunks = chunk_groups([len(group) for group in batch], CHUNK_SAMPLES)
     try:
         results = {
             "a round trip per response, file loaded per call": timed(
@@ -77,6 +81,12 @@ def main() -> int:
             "a round trip per group (score_each)": timed(
                 lambda: [scorer.score_each(group) for group in batch], args.rounds
             ),
+            f"a round trip per chunk of up to {CHUNK_SAMPLES} (the service)": timed(
+                lambda: [
+                    scorer.score_each([item for g in batch[r.start : r.stop] for item in g]) for r in chunks
+                ],
+                args.rounds,
+            ),
         }
     finally:
         scorer.close()
@@ -84,9 +94,12 @@ def main() -> int:
     print(f"{args.groups} groups x {args.n} responses, {SPEC.split('/')[-1]}, median of {args.rounds} rounds")
     for name, seconds in results.items():
         print(f"  {name:50s} {seconds * 1e3:8.1f} ms  {responses / seconds:9.0f} responses/s")
-    base, per_response, per_group = results.values()
+    base, per_response, per_group, per_chunk = results.values()
     print(
         f"per group vs per response: {per_response / per_group:.1f}x; vs loaded per call: {base / per_group:.1f}x"
+    )
+    print(
+        f"per chunk vs per group: {per_group / per_chunk:.1f}x; vs loaded per call: {base / per_chunk:.1f}x"
     )
     return 0
 

@@ -2,7 +2,7 @@
 configs (those needing a GPU extra are skipped with the reason, not a crash), `bench/rollout.py` with the
 embedded engine's five decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
 rolling one, `bench/decode_attention.py` with each attention kernel against the math one, `bench/bus.py` on a short
-setting with 1 and 2 partitions side by side, `bench/reward_function.py` with its three ways to the reward sandbox,
+setting with 1 and 2 partitions side by side, `bench/reward_function.py` with its four ways to the reward sandbox,
 and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
 print them."""
@@ -58,11 +58,12 @@ def test_the_bus_bench_reports_every_figure_for_each_partition_count() -> None:
 def test_the_reward_function_bench_times_each_way_to_the_sandbox() -> None:
     done = run_bench(["bench/reward_function.py", "--groups", "4", "--n", "4", "--rounds", "1"], timeout=110)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    for way in ("file loaded per call", "a round trip per response", "a round trip per group"):
+    for way in ("file loaded per call", "a round trip per response", "a round trip per group", "per chunk"):
         assert re.search(rf"{way} .* [\d.]+ ms +\d+ responses/s", done.stdout), done.stdout
     assert re.search(r"per group vs per response: [\d.]+x; vs loaded per call: [\d.]+x", done.stdout), (
         done.stdout
     )
+    assert re.search(r"per chunk vs per group: [\d.]+x", done.stdout), done.stdout
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from rlbus.config.schema import RewardConfig
 from rlbus.launcher import ServiceProcess
 from rlbus.messages import PromptWork, Sample, SamplingParams, TrajectoryGroup
 from rlbus.reward.scorers import FunctionScorer, TaskScorer, build_scorer
-from rlbus.reward.service import score_group
+from rlbus.reward.service import chunk_groups, score_group
 
 TESTS = str(Path(__file__).parent)
 STEPS = 40
@@ -113,6 +113,19 @@ def test_a_group_scores_in_one_round_trip_and_each_failure_stays_with_its_own_sa
         sandbox.Sandbox.call_each = real_call_each  # type: ignore[method-assign]
         flaky.close()
         slow.close()
+
+
+def test_a_function_scores_groups_in_chunks_of_samples_and_a_large_group_alone() -> None:
+    """An evaluation's one-sample groups share a round trip; training groups go two of n=8 at a time, a group
+    larger than a chunk alone, and every group exactly once, in order."""
+    assert [list(r) for r in chunk_groups([1] * 40, 16)] == [
+        list(range(16)),
+        list(range(16, 32)),
+        list(range(32, 40)),
+    ]
+    assert [list(r) for r in chunk_groups([8] * 5, 16)] == [[0, 1], [2, 3], [4]]
+    assert [list(r) for r in chunk_groups([32, 1, 1, 16], 16)] == [[0], [1, 2], [3]]
+    assert chunk_groups([], 16) == []
 
 
 def test_bad_function_spec_fails_at_start_naming_it() -> None:

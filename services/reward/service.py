@@ -12,6 +12,7 @@ from rlbus.reward.sandbox import error_text
 from rlbus.service import EXIT_REFUSED, ServiceContext, run_service
 
 FETCH_BATCH = 16
+CHUNK_SAMPLES = 16  # a user function's round trip to its sandbox takes whole groups up to this many samples
 
 
 class RewardBroken(RuntimeError):
@@ -158,15 +159,38 @@ async def reward_loop(ctx: ServiceContext) -> int:
     return 0
 
 
+def chunk_groups(sizes: list[int], most: int) -> list[range]:
+    """Consecutive groups (of `sizes` samples) in chunks of up to `most` samples, at least one group each: a
+    user function's round trip takes a chunk, so an evaluation's one-sample groups share trips (256 of them
+    took 256 trips, as long as generating them on the CPU box) while a slow function still holds few acks."""
+    chunks: list[range] = []
+    start, samples = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and samples + size > most:
+            chunks.append(range(start, i))
+            start, samples = i, 0
+        samples += size
+    if sizes:
+        chunks.append(range(start, len(sizes)))
+    return chunks
+
+
 async def _score_and_publish(
     ctx: ServiceContext, scorer, deliveries: list, out_stage, streak: FailureStreak | None = None
 ) -> None:
     """A batched scorer (reward model, batch manager) takes the whole fetch in one call, and a fast one (the
     built-in verifiers) scores it in one thread hand-off (each hand-off wakes the loop: ~0.3 ms of CPU on
-    the 2-core box); any other scores one group at a time, so a slow function never holds the others' acks.
-    A scored group is published and acked while the next is scored: those round trips overlap."""
+    the 2-core box); any other scores a few groups at a time (`chunk_groups`), so a slow function holds few
+    acks. A scored group is published and acked while the next chunk is scored: those round trips overlap."""
     whole_fetch = (getattr(scorer, "batched", False) or getattr(scorer, "fast", False)) and deliveries
-    chunks = [deliveries] if whole_fetch else [[d] for d in deliveries]
+    chunks = (
+        [deliveries]
+        if whole_fetch
+        else [
+            deliveries[r.start : r.stop]
+            for r in chunk_groups([len(d.message.samples) for d in deliveries], CHUNK_SAMPLES)
+        ]
+    )
     broken: RewardBroken | None = None
     async with asyncio.TaskGroup() as handing_on:
         for c, chunk in enumerate(chunks):
