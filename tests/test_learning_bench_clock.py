@@ -1,0 +1,40 @@
+"""The learning bench reads rlbus's curve on TRL's clock: evaluation time is off both (bench/learning.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def learning(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the bench imports its siblings by name, as when it is run
+    import learning as module
+
+    yield module
+    sys.modules.pop("learning", None)
+
+
+def test_an_evaluation_is_placed_at_its_step_start_and_its_hold_is_off_the_clock(learning) -> None:
+    launched = 1000.0
+
+    def row(step: int, end: float, step_s: float, **val: float) -> dict:
+        return {"step": step, "time": launched + end, "timing/step_s": step_s, **val}
+
+    rows = [
+        {"step": 0, "time": launched + 9.0, "val-core/x/reward/mean@1": 0.2},  # verl's row: not a point
+        row(1, 10.0, 4.0, **{"val/reward_mean": 0.2, "timing/validation_wait_s": 1.0}),
+        row(2, 11.0, 1.0),
+        row(3, 13.0, 1.0, **{"val/reward_mean": 0.5, "timing/validation_wait_s": 0.5}),
+        row(4, 14.0, 1.0),
+        row(5, 15.5, 1.0),  # 14.0 on the clock without 1.5 s of holds
+        row(6, 16.6, 1.0),  # past a 15 s budget on that clock
+    ]
+    points, steps = learning.rlbus_points(rows, launched, budget_s=15.0)
+    # step 1 started at 6 s (its end less its 4 s); step 3 at 13 - 1 (held before) - 1 = 11 s
+    assert points == [(6.0, 0.2), (11.0, 0.5)]
+    assert steps == 5
