@@ -80,8 +80,9 @@ def test_an_evaluation_during_training_is_answered_by_its_own_step_weights(
 ) -> None:
     """The learner trains beside an evaluation and pushes newer weights only once it is answered: every
     answer of the evaluation at step s comes from version s, whatever was queued at the replica. At
-    async_level=0 the update ends while most of the evaluation is still queued (a learner that pushed on
-    without waiting failed here; at async_level=1 the replica had answered it before the push came)."""
+    async_level=1 the step's batch is already there, so the update ends while most of the evaluation is still
+    queued: a learner that pushed on without waiting failed here (at async_level=0 the batch, queued behind
+    the evaluation, came only after it, so that learner passed)."""
     from e2e_utils import Run, make_config
 
     cfg = make_config(
@@ -92,7 +93,7 @@ def test_an_evaluation_during_training_is_answered_by_its_own_step_weights(
             "trainer.total_training_steps=6",
             "trainer.val_before_train=true",
             "trainer.test_freq=2",
-            "trainer.async_level=0",
+            "trainer.async_level=1",
             # an evaluation of many passes (16 rows each), so it is still being answered when the update ends
             "data.num_val_examples=128",
             "rollout.prompts_per_batch=2",
