@@ -118,6 +118,13 @@ class Ledger:
         return again
 
 
+def raise_first_failure(results: list[object]) -> None:
+    """Raise the first exception among publish results (`return_exceptions=True`), once all have settled."""
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """The sampling seed of the prompt at data position `index` (rollout.seed_per_prompt)."""
     return (int(seed) * 1_000_003 + int(index)) % (2**31 - 1)
@@ -172,24 +179,27 @@ class Dispatcher:
         The publishes go out together: each is a round trip to the server, and a step dispatches a whole
         batch (16 in series cost the 2-core demo ~8 ms a step). Only what the server stored is recorded.
         """
-        from rlbus.bus import Stage
-
         wanted = self.target_in_flight - self.ledger.in_flight
         if limit is not None:
             wanted = min(wanted, limit)
         works = [self._work(self._next_item(), version, step) for _ in range(max(0, wanted))]
-        sent = await asyncio.gather(
-            *(self.bus.publish(Stage.PROMPTS, w, msg_id=w.prompt_id) for w in works), return_exceptions=True
-        )
+        sent = await self._publish_together(works)
         for work, result in zip(works, sent, strict=True):
             if not isinstance(result, BaseException):
                 self.ledger.dispatched[work.prompt_id] = work.index
             else:  # maybe stored, maybe not: again under the same id (JetStream drops a stored one's twin)
                 self.requeue.appendleft(work.index)
-        failed = next((r for r in sent if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
+        raise_first_failure(sent)
         return len(works)
+
+    async def _publish_together(self, works: list[PromptWork]) -> list[object]:
+        """Every work item published at once (their round trips overlap, and a replica's fetch finds them
+        together); each result is the server's ack or the exception its publish raised."""
+        from rlbus.bus import Stage
+
+        return await asyncio.gather(
+            *(self.bus.publish(Stage.PROMPTS, w, msg_id=w.prompt_id) for w in works), return_exceptions=True
+        )
 
     def _work(self, item, version: int, step: int) -> PromptWork:
         again = self.again.get(item.index, 0)
@@ -216,20 +226,13 @@ class Dispatcher:
         The publishes go out together, as a top-up's do: one after another, each waiting for the server's
         ack, they reached a replica over tens of milliseconds, and its first fetch took the first prompt
         alone (a decode pass of its own, on the CPU box's learning bench at every evaluation)."""
-        from rlbus.bus import Stage
-
         works = [
             self._validation_work(
                 f"{self.cfg.run.id}-{self.id_tag}v{step}-{i}", i, prompt, meta, version, step
             )
             for i, (prompt, meta) in enumerate(records)
         ]
-        sent = await asyncio.gather(
-            *(self.bus.publish(Stage.PROMPTS, w, msg_id=w.prompt_id) for w in works), return_exceptions=True
-        )
-        failed = next((r for r in sent if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
+        raise_first_failure(await self._publish_together(works))
         return {w.prompt_id: w.index for w in works}
 
     async def dispatch_validation_again(
