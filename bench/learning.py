@@ -9,9 +9,10 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
 2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
    function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
-   checkpointing off, both training eager (`--learner-compile` compiles rlbus's layers), TRL with its static
-   cache and compiled decode, rlbus's replica generating the whole batch in one call as TRL does
-   (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
+   checkpointing off, both training eager (`--learner-compile` compiles rlbus's layers), rlbus packing
+   each micro-batch's sequences on a GPU as verl's GRPO examples set it (`--no-remove-padding` pads, as
+   TRL does), TRL with its static cache and compiled decode, rlbus's replica generating the whole batch in
+   one call as TRL does (`rollout.prompts_per_batch`), and the same update numerics: rlbus keeps fp32
    master weights in its optimizer, TRL trains fp32 weights under bf16 autocast (`--trl-precision mixed`; `bf16`
    puts TRL's weights in bf16, where AdamW's updates at these learning rates are mostly rounded away);
 3. each system launched with torch.compile and Triton caches of its own, empty (`cold_compile_env`): its
@@ -240,6 +241,7 @@ def run_rlbus(
         f"rollout.prompts_per_batch={args.prompts}", f"rollout.max_num_seqs={args.prompts * args.n}",
         f"rollout.device={args.device}", f"model.dtype={args.dtype}",
         f"actor_rollout_ref.actor.use_torch_compile={str(args.learner_compile).lower()}",
+        f"actor_rollout_ref.model.use_remove_padding={str(args.remove_padding).lower()}",
     ]  # fmt: skip
     print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
     log = work / f"{run_id}.log"
@@ -377,6 +379,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="rlbus's learner compiles its decoder layers (its default for a model of this size); off by default "
         "here, as TRL trains eager: a compile of 20-50 s is not won back in a budget of minutes",
     )
+    p.add_argument(
+        "--remove-padding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rlbus packs each micro-batch's sequences (verl's model.use_remove_padding, set in verl's GRPO "
+        "examples): default on a GPU (varlen flash attention), off on the CPU (a packed row's attention there "
+        "is one dense masked product, slower than padding); TRL's GRPOTrainer has no such setting and pads",
+    )
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
     p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")
@@ -397,6 +407,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.max_new_tokens = WorkedAddition(args.min_digits, args.max_digits).max_new_tokens
     args.max_prompt_length = 2 * args.max_digits + 24
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.remove_padding is None:
+        args.remove_padding = args.device == "cuda"
     return args
 
 

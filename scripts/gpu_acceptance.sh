@@ -59,7 +59,7 @@ case $part in
 3)
   work=${LEARNING_WORK:-/tmp/rlbus-learning}
   timeout "${LEARNING_TIMEOUT:-580}" "$py" bench/learning.py --work "$work" ${LEARNING_ARGS:---budget-s 120} 2>&1 \
-    | grep -v "Loading weights" | stamp | tee "$results/learning.log" | grep -v "rlbus up run.id" | tail -30
+    | grep --line-buffered -v "Loading weights" | stamp | tee "$results/learning.log" | grep -v "rlbus up run.id" | tail -30
   cp "$work"/learning.png "$work"/learning.json "$work"/curve-*.json "$work"/learning-a*.log "$results"/ 2>/dev/null
   # each rlbus run's services' logs and metrics: where its start-up and its steps went
   (cd "$work" && tar czf "$results/learning-runs.tgz" runs/*/logs runs/*/metrics.jsonl 2>/dev/null)
