@@ -222,11 +222,17 @@ def cold_compile_env(work: Path, system: str) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(cache / "triton")}  # fmt: skip
 
 
+def rlbus_slug(args: argparse.Namespace, level: int) -> str:
+    """The name of an rlbus run's curve file and run folder: its async level, and whether it packed (a packed
+    run's curve must not be read back for a padded one)."""
+    return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "")
+
+
 def run_rlbus(
     args: argparse.Namespace, model: Path, data: tuple[Path, Path], level: int, work: Path
 ) -> Curve:
     """`rlbus up` with verl's keys, stopped with Ctrl-C's signal once the budget is spent."""
-    run_id = f"learning-a{level}"
+    run_id = f"learning-{rlbus_slug(args, level).removeprefix('rlbus-')}"
     overrides = [
         f"run.id={run_id}", f"run.dir={work / 'runs'}", "trainer.logger=[console,jsonl]",
         f"data.train_files={data[0]}", f"data.val_files={data[1]}", f"data.train_batch_size={args.prompts}",
@@ -426,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     curves = [
         measured(
             work,
-            f"rlbus-a{level}",
+            rlbus_slug(args, int(level)),
             weights,
             lambda level=int(level): run_rlbus(args, model, data, level, work),
         )
