@@ -83,6 +83,11 @@ class Curve:
         """The first time the accuracy was at least `accuracy` (None: never)."""
         return next((t for t, acc in self.points if acc >= accuracy), None)
 
+    def behind(self, other: Curve) -> list[float]:
+        """The times of `other`'s evaluations at which this curve's accuracy (its last reading by then) was
+        below `other`'s: "accuracy at equal time", read at every one of them, not only at the end."""
+        return [t for t, acc in other.points if not self.at(t) >= acc]  # nan (no reading yet) is behind
+
 
 # ----------------------------------------------------------------------------------------------- model
 
@@ -310,10 +315,15 @@ def report(curves: list[Curve], pretrained: dict, work: Path, args: argparse.Nam
         for c in curves:
             reach = c.reach(target)
             ratio = reach / trl_reach if reach is not None and trl_reach else None
-            summary[c.name] = {"reach_s": reach, "time_ratio_vs_trl": ratio, "accuracy_at_trl_end": c.at(at)}
+            behind = c.behind(trl)
+            summary[c.name] = {"reach_s": reach, "time_ratio_vs_trl": ratio, "accuracy_at_trl_end": c.at(at),
+                               "behind_trl_at_s": behind}  # fmt: skip
             print(f"  {c.name:24s} reaches it at {'-' if reach is None else f'{reach:.0f} s':>7s}"
                   f"  ({'-' if ratio is None else f'{ratio:.2f}x'} TRL's time);"
                   f" accuracy at {at:.0f} s: {c.at(at):.3f}")  # fmt: skip
+            if c is not trl:
+                print(f"  {'':24s} at or above TRL at {len(trl.points) - len(behind)} of its {len(trl.points)} "
+                      f"evaluations" + (f"; last behind at {behind[-1]:.0f} s" if behind else ""))  # fmt: skip
     (work / "learning.json").write_text(json.dumps(summary, indent=2))
     plot(curves, work / "learning.png", pretrained)
     print(f"wrote {work / 'learning.json'} and {work / 'learning.png'}", flush=True)

@@ -38,3 +38,12 @@ def test_an_evaluation_is_placed_at_its_step_start_and_its_hold_is_off_the_clock
     # step 1 started at 6 s (its end less its 4 s); step 3 at 13 - 1 (held before) - 1 = 11 s
     assert points == [(6.0, 0.2), (11.0, 0.5)]
     assert steps == 5
+
+
+def test_accuracy_at_equal_time_is_read_at_every_one_of_trls_evaluations(learning) -> None:
+    trl = learning.Curve("TRL", [(10.0, 0.4), (30.0, 0.6), (50.0, 0.7), (70.0, 0.75)])
+    # no reading before 13 s, behind at 30 s, level at 50 s (0.7 >= 0.7), ahead by 70 s
+    rlbus = learning.Curve("rlbus", [(13.0, 0.4), (40.0, 0.55), (45.0, 0.7), (65.0, 0.8)])
+    assert rlbus.behind(trl) == [10.0, 30.0]
+    assert trl.behind(trl) == []
+    assert learning.Curve("none").behind(trl) == [10.0, 30.0, 50.0, 70.0]
