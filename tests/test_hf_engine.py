@@ -290,9 +290,10 @@ def test_weight_push_over_gloo_swaps_weights(tiny: Path) -> None:
 def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
     tiny: Path, small_bucket: bool
 ) -> None:
-    """A partial fetch, a validation batch of one row, a longer prompt and a shorter budget after start-up
-    reuse the graphs `warm_up` compiled (dynamo counts none new), and greedy output equals the eager engine's.
-    One graph per row bucket: the fetch's rows, and with rollout.decode_small_bucket an eighth of them."""
+    """A partial fetch, a validation batch of one row, a longer prompt, a shorter budget and sampled rows after
+    start-up reuse the graphs `warm_up` compiled (dynamo counts none new), greedy output equals the eager
+    engine's, and sampled rows carry the log-probs the learner recomputes. Two graphs per row bucket (the
+    decode step and the sampler): the fetch's rows, and with rollout.decode_small_bucket an eighth of them."""
     from torch._dynamo.utils import counters
 
     from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
@@ -307,7 +308,7 @@ def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
     at_start = counters["stats"]["unique_graphs"]
     buckets = 2 if small_bucket else 1
     assert shapes.row_buckets == ((2, 16) if small_bucket else (16,))
-    assert at_start - before == buckets
+    assert at_start - before == 2 * buckets
     assert len(said) == 1 + buckets and said[1].startswith(f"[1/{buckets}] decode step for 16 rows")
     assert ("16, 2 rows" if small_bucket else "(16 rows") in said[0]
     tok = compiled.tokenizer
@@ -325,4 +326,13 @@ def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
     for requests in batches:
         got, want = compiled.generate(requests), eager.generate(requests)
         assert [[c.response_ids for c in r] for r in got] == [[c.response_ids for c in r] for r in want]
+    prompt = tok.encode("12+3=", add_special_tokens=False)
+    sampled = compiled.generate([GenerationRequest(prompt, 8, SamplingParams(temperature=0.7, max_tokens=8))])
     assert counters["stats"]["unique_graphs"] == at_start, "a batch after start-up compiled a new graph"
+    comps = sampled[0]
+    assert len({tuple(c.response_ids) for c in comps}) > 1  # sampled, not greedy
+    recomputed = response_logprobs(
+        eager.model, [prompt] * len(comps), [c.response_ids for c in comps], eager.pad_id, 0.7
+    )
+    for comp, want_lp in zip(comps, recomputed, strict=True):
+        np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)
