@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbus.rollout.engines.static_decode import sample_tokens
+from rlbus.rollout.engines.static_decode import sample_tokens, sampler_compile_pays
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
 
@@ -38,3 +38,8 @@ def test_no_noise_is_greedy_and_a_banned_token_is_never_drawn_but_keeps_its_shar
     assert torch.allclose(logprobs, full[tokens], atol=1e-5)  # normalised over every token, banned too
     greedy, _ = draw(4, temperature=1.0, noise=0.0, bias=bias)
     assert greedy.tolist() == [1] * 4
+
+
+def test_the_sampler_is_compiled_for_real_vocabularies_not_toy_ones() -> None:
+    assert sampler_compile_pays(151_936) and sampler_compile_pays(32_000)  # Qwen2's, Llama 2's
+    assert not sampler_compile_pays(97)  # a character tokenizer's (the demo's, the learning bench's)

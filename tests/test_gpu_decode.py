@@ -27,8 +27,14 @@ def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(tmp_p
 
     tiny = build_tiny_model(tmp_path / "tiny")
     shapes = plan_decode_shapes(64, 32, 24)
-    fast = HFEngine(
-        tiny, dtype="float32", device="cuda", max_batch_rows=64, compiled_decode=True, decode_shapes=shapes
+    fast = HFEngine(  # the sampler compiled too, as for a real vocabulary
+        tiny,
+        dtype="float32",
+        device="cuda",
+        max_batch_rows=64,
+        compiled_decode=True,
+        decode_shapes=shapes,
+        compile_sampler=True,
     )
     eager = HFEngine(tiny, dtype="float32", device="cuda", max_batch_rows=64, compiled_decode=False)
     assert fast.compiled_decode and fast.static_decode and not eager.static_decode

@@ -300,7 +300,14 @@ def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
 
     torch._dynamo.reset()
     shapes = plan_decode_shapes(16, 24, 8, small_bucket=small_bucket)
-    compiled = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=True, decode_shapes=shapes)
+    compiled = HFEngine(  # the sampler compiled too, as for a large vocabulary
+        tiny,
+        device="cpu",
+        max_batch_rows=16,
+        compiled_decode=True,
+        decode_shapes=shapes,
+        compile_sampler=True,
+    )
     eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
     said: list[str] = []
     before = counters["stats"]["unique_graphs"]

@@ -32,7 +32,7 @@ from rlbus.modeling import (
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
 from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
-from rlbus.rollout.engines.static_decode import StaticDecoder
+from rlbus.rollout.engines.static_decode import StaticDecoder, sampler_compile_pays
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
@@ -94,6 +94,7 @@ class HFEngine(RolloutEngine):
         decode_shapes: DecodeShapes | None = None,
         static_decode: bool | None = None,
         fuse_projections: bool = True,
+        compile_sampler: bool | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -141,7 +142,14 @@ class HFEngine(RolloutEngine):
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
         )
-        self._decoder = StaticDecoder(self.model, self._compile_config() if self.compiled_decode else None)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self._decoder = StaticDecoder(
+            self.model,
+            self._compile_config() if self.compiled_decode else None,
+            # with the compiled step, by default for a vocabulary large enough to pay for it
+            compile_sampler=self.compiled_decode
+            and (sampler_compile_pays(vocab) if compile_sampler is None else compile_sampler),
+        )
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0

@@ -24,6 +24,14 @@ from rlbus.messages import SamplingParams
 from rlbus.modeling import effective_temperature
 
 CHECK_EVERY = 16  # tokens between the host's looks at whether every row has ended (each look syncs)
+# From this vocabulary up the sampler is compiled: the eager path's [rows, vocab] float32 passes cost more
+# than a compile of a few seconds at start. Below it (toy and character tokenizers) they cost microseconds.
+SAMPLER_COMPILE_MIN_VOCAB = 32_000
+
+
+def sampler_compile_pays(vocab: int) -> bool:
+    """Whether the sampler is worth compiling beside the decode step for a vocabulary of `vocab` tokens."""
+    return vocab >= SAMPLER_COMPILE_MIN_VOCAB
 
 
 @dataclass
@@ -73,15 +81,15 @@ def sample_tokens(
 class StaticDecoder:
     """Decodes left-padded prompts on a `StaticCache` of `cache_len` positions, one compiled step per shape."""
 
-    def __init__(self, model: Any, compile_config: CompileConfig | None) -> None:
+    def __init__(
+        self, model: Any, compile_config: CompileConfig | None, compile_sampler: bool = False
+    ) -> None:
         self.model = model
         self.step = model.get_compiled_call(compile_config) if compile_config is not None else model
         # beside the compiled step, for the same shapes (warm_up compiles both); tensors for T, the noise and
         # the bans, so greedy and sampled batches and either end-token rule share one graph per shape
         self.sample = (
-            torch.compile(sample_tokens, dynamic=False, fullgraph=True)
-            if compile_config is not None
-            else sample_tokens
+            torch.compile(sample_tokens, dynamic=False, fullgraph=True) if compile_sampler else sample_tokens
         )
 
     def _picker(self, sp: SamplingParams, eos: torch.Tensor, vocab: int, device: torch.device) -> Any:
