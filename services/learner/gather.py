@@ -215,18 +215,6 @@ class Gatherer:
         """
         return await self._collect(step, need, validation=False)
 
-    async def dispatch_batch_first(self, step: int, need: int) -> None:
-        """The step's own prompts go out ahead of an evaluation's when none of them is in flight yet
-        (async_level=0, or the first step): a replica answers in the order it fetches, so the batch is ready
-        after one pass and the evaluation is answered beside the update instead of before the batch. With
-        the batch already in flight (async_level >= 1) the evaluation goes next, ahead of the step after."""
-        learner = self.learner
-        missing = need - learner.ledger.in_flight
-        if missing <= 0 or learner.pusher.pushed_version < learner.version:
-            return
-        await self._dispatched()
-        await learner.dispatcher.top_up(learner.version, step, 0, limit=missing)
-
     async def finish_validation(self, step: int) -> None:
         """Until every validation answer started for `step` is in; training groups that come meanwhile are
         held for the next batch. The learner calls it before it pushes newer weights: the replicas answer

@@ -279,7 +279,6 @@ class Learner:
                 cfg.trainer.test_freq > 0 and step > 0 and step % cfg.trainer.test_freq == 0
             )
             if validate:
-                await self.gatherer.dispatch_batch_first(step, cfg.data.train_batch_size)
                 await self.start_validation(step)
             # in data order, so a batch trains the same whatever order its groups arrived in
             deliveries = sorted(
