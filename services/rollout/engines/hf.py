@@ -142,14 +142,10 @@ class HFEngine(RolloutEngine):
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
         )
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        self._decoder = StaticDecoder(
-            self.model,
-            self._compile_config() if self.compiled_decode else None,
-            # with the compiled step, by default for a vocabulary large enough to pay for it
-            compile_sampler=self.compiled_decode
-            and (sampler_compile_pays(vocab) if compile_sampler is None else compile_sampler),
-        )
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])  # the sampler is compiled if it pays
+        sampler = sampler_compile_pays(vocab) if compile_sampler is None else compile_sampler
+        compiled = self._compile_config() if self.compiled_decode else None
+        self._decoder = StaticDecoder(self.model, compiled, compile_sampler=self.compiled_decode and sampler)
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0
