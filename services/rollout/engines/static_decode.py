@@ -13,6 +13,7 @@ sampled token, in float32; top-k/top-p only narrow what is sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from transformers import CompileConfig, StaticCache
 from rlbus.messages import SamplingParams
 from rlbus.modeling import effective_temperature
 
+Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (tokens, log-probs)
 CHECK_EVERY = 16  # tokens between the host's looks at whether every row has ended (each look syncs)
 # From this vocabulary up the sampler is compiled: the eager path's [rows, vocab] float32 passes cost more
 # than a compile of a few seconds at start. Below it (toy and character tokenizers) they cost microseconds.
@@ -92,7 +94,7 @@ class StaticDecoder:
             torch.compile(sample_tokens, dynamic=False, fullgraph=True) if compile_sampler else sample_tokens
         )
 
-    def _picker(self, sp: SamplingParams, eos: torch.Tensor, vocab: int, device: torch.device) -> Any:
+    def _picker(self, sp: SamplingParams, eos: torch.Tensor, vocab: int, device: torch.device) -> Picker:
         """logits [rows, vocab] -> (tokens, log-probs): `sample` on the common path, `pick_tokens` and a
         log-softmax with top-k or top-p."""
         temp = effective_temperature(sp.temperature)
