@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 import yaml
 
 from rlbus.config import RlbusConfig, save_config
+from rlbus.gpu_sharing import find_control, missing_control_problem, start_for_run
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
@@ -255,7 +256,8 @@ def start_problems(cfg: RlbusConfig, gpus: int) -> list[str]:
     """Everything that would stop the run at its start (rlbus.preflight and the checks above), as lines."""
     from rlbus.preflight import preflight
 
-    found = [p for p in (check_loggers(cfg), check_placement(cfg, gpus)) if p]
+    mps = missing_control_problem(cfg.run.gpu_sharing, find_control())
+    found = [p for p in (check_loggers(cfg), check_placement(cfg, gpus), mps) if p]
     return found + [str(p) for p in preflight(cfg)]
 
 
@@ -416,6 +418,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     run_dir, config_path, server = prepare_run(cfg, fresh, users)
     procs = service_processes(cfg, config_path, run_dir, gpus)
     threads = cpu_thread_env(cfg, procs, gpus)
+    mps = start_for_run(cfg, gpus, run_dir)  # services sharing a GPU run side by side under it
     for p in procs:
         if users is not None:
             p.env.update(role_env(users, p))
@@ -423,6 +426,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         p.env["PYTHONSAFEPATH"] = "1"  # a folder named rlbus/ where the user stands must not hide the package
         p.env[ON_REFUSAL_ENV] = "exit"  # a refusal must reach this supervisor (a held child never would)
         p.env.update(threads.get(p.name, {}))
+        p.env.update(mps.env if mps is not None else {})
         p.preforked = cfg.run.service_start == "fork"
     stopping = False
 
@@ -454,6 +458,8 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
             p.stop()
         if server is not None:
             server.stop()
+        if mps is not None:
+            mps.stop()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
     console.update()

@@ -43,3 +43,15 @@ def test_a_refused_reward_function_has_its_reason_on_the_console(
         "reward refused its configuration: " in last
         and "cannot be called as fn(prompt, response, meta)" in last
     )
+
+
+def test_mps_asked_for_without_its_control_binary_is_refused(
+    tmp_path: Path, nats_url: str, run_id: str
+) -> None:
+    from rlbus.gpu_sharing import find_control
+
+    if find_control() is not None:
+        pytest.skip("nvidia-cuda-mps-control is installed here")
+    done = rlbus_up(tmp_path, nats_url, run_id, "run.gpu_sharing=mps", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "run.gpu_sharing=mps, but nvidia-cuda-mps-control is not installed" in done.stderr

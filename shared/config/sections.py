@@ -54,6 +54,12 @@ class RunConfig(Section):
         "torch and transformers (a start or restart skips 2-4 s of imports); exec = a fresh "
         "`python -m rlbus.cli` each, as compose and k8s start them",
     )
+    gpu_sharing: Literal["auto", "mps", "time_slice"] = Field(
+        "time_slice",
+        description="services that share a GPU (the learner and a replica on one GPU): auto = under an MPS "
+        "daemon of the run's own when nvidia-cuda-mps-control is installed (their kernels run side by side), "
+        "else time-sliced; mps = that, or refuse when it is missing; time_slice = never start one",
+    )
     on_refusal: Literal["exit", "hold"] = Field(
         "exit",
         description="a service that refuses its configuration: exit 2 (rlbus up, Slurm stop the run), or "

@@ -1,0 +1,129 @@
+"""Services that share one GPU, run under NVIDIA's Multi-Process Service (MPS) when it is there.
+
+Without MPS the GPU time-slices between processes: the learner's kernels and a replica's never run at the
+same time, so at async_level >= 1 on one GPU a step costs the sum of the two services' GPU times, whatever
+the overlap the bus allows. Under MPS their kernels share the GPU's SMs as one process's streams would
+(the decode step's small kernels leave most SMs idle). `rlbus up` starts an MPS control daemon of its own
+for the run (pipe and log folders of its own, so it neither finds nor disturbs another) when
+the learner and a rollout replica share a GPU and `nvidia-cuda-mps-control` is installed, and quits it at
+the end. The decision is `mps_plan`; `MpsDaemon` is the shell.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from rlbus.logs import get_logger
+
+if TYPE_CHECKING:
+    from rlbus.config import RlbusConfig
+
+log = get_logger("rlbus.gpu_sharing")
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+GpuSharing = Literal["auto", "mps", "time_slice"]
+
+
+@dataclass(frozen=True)
+class MpsPlan:
+    """Whether the run's services go under an MPS daemon of the run's own, and why (for the log)."""
+
+    start: bool
+    reason: str
+
+
+def mps_plan(setting: GpuSharing, shares_a_gpu: bool, control: str | None, outside_daemon: bool) -> MpsPlan:
+    """`setting` (run.gpu_sharing), whether the learner and a replica share a GPU, the control binary's path
+    (None: not installed) and whether the user already runs the services under an MPS daemon of their own
+    (CUDA_MPS_PIPE_DIRECTORY set): that daemon is theirs to keep, and the services find it through it."""
+    if setting == "time_slice":
+        return MpsPlan(False, "run.gpu_sharing=time_slice")
+    if outside_daemon:
+        return MpsPlan(False, "CUDA_MPS_PIPE_DIRECTORY is set: the services use that MPS daemon")
+    if not shares_a_gpu:
+        return MpsPlan(False, "no GPU is shared by the learner and a replica")
+    if control is None:  # run.gpu_sharing=mps was refused at start (`missing_control_problem`)
+        return MpsPlan(False, f"{MPS_CONTROL} is not installed: the GPU time-slices between the services")
+    return MpsPlan(True, "the learner and a replica share a GPU")
+
+
+class MpsDaemon:
+    """An MPS control daemon for one run: started before the services, quit after them."""
+
+    def __init__(self, run_dir: Path, control: str) -> None:
+        # its sockets live in the pipe folder: a short path under the temp folder (a Unix socket's path has
+        # at most 107 bytes, which a run folder deep in a home directory may pass); its logs beside the run's
+        self.pipes = Path(tempfile.mkdtemp(prefix="rlbus-mps-"))
+        self.logs = run_dir / "logs" / "mps"
+        self.control = control
+        self.running = False
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a service needs to find this daemon."""
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
+
+    def start(self) -> bool:
+        """Start it (`-d`: it daemonizes and returns); False, with the reason logged, when it would not."""
+        self.pipes.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [self.control, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True, timeout=30
+        )
+        self.running = done.returncode == 0
+        if not self.running:
+            log.warning(
+                "the MPS daemon did not start; the GPU time-slices", rc=done.returncode, out=done.stderr
+            )
+        return self.running
+
+    def stop(self) -> None:
+        """Quit it: its server ends once the services (its clients) have."""
+        if not self.running:
+            return
+        subprocess.run(
+            [self.control], input="quit\n", env={**os.environ, **self.env}, capture_output=True, text=True,
+            timeout=30,
+        )  # fmt: skip
+        self.running = False
+        shutil.rmtree(self.pipes, ignore_errors=True)
+
+
+def missing_control_problem(setting: GpuSharing, control: str | None) -> str | None:
+    """run.gpu_sharing=mps without the control binary: the line `rlbus up` refuses with (None when fine)."""
+    if setting == "mps" and control is None:
+        return f"run.gpu_sharing=mps, but {MPS_CONTROL} is not installed (NVIDIA's driver utilities)"
+    return None
+
+
+def find_control() -> str | None:
+    return shutil.which(MPS_CONTROL)
+
+
+def shares_a_gpu(cfg: RlbusConfig, gpus: int) -> bool:
+    """Whether `rlbus up` puts the learner and a rollout replica on one GPU: every GPU replica does when
+    the learner is one process (the replicas take cuda:0, its GPU), and with a torchrun learner when it
+    leaves no GPU free (`launcher.rollout_gpu`)."""
+    if gpus == 0 or cfg.trainer.device == "cpu" or cfg.rollout.device == "cpu" or cfg.rollout.replicas == 0:
+        return False
+    return cfg.trainer.n_gpus_per_node <= 1 or gpus - cfg.trainer.n_gpus_per_node <= 0
+
+
+def start_for_run(cfg: RlbusConfig, gpus: int, run_dir: Path) -> MpsDaemon | None:
+    """The run's own MPS daemon, started, when `mps_plan` says so (None otherwise, or when it would not
+    start); the reason goes to the launcher's log either way."""
+    control = find_control()
+    plan = mps_plan(
+        cfg.run.gpu_sharing, shares_a_gpu(cfg, gpus), control, "CUDA_MPS_PIPE_DIRECTORY" in os.environ
+    )
+    log.info("GPU sharing", mps=plan.start, reason=plan.reason)
+    if not plan.start or control is None:
+        return None
+    daemon = MpsDaemon(run_dir, control)
+    return daemon if daemon.start() else None

@@ -1,0 +1,78 @@
+"""Services that share a GPU run under an MPS daemon of the run's own when it is there (rlbus.gpu_sharing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlbus.config import load_config
+from rlbus.gpu_sharing import MpsDaemon, find_control, missing_control_problem, mps_plan, shares_a_gpu
+
+CONTROL = "/usr/bin/nvidia-cuda-mps-control"
+
+
+@pytest.mark.parametrize(
+    ("setting", "shares", "control", "outside", "start"),
+    [
+        ("auto", True, CONTROL, False, True),
+        ("mps", True, CONTROL, False, True),
+        ("auto", True, None, False, False),  # not installed: time-sliced, as before
+        ("auto", False, CONTROL, False, False),  # nothing shares a GPU
+        ("time_slice", True, CONTROL, False, False),
+        ("auto", True, CONTROL, True, False),  # the user's own daemon: the services find it themselves
+        ("mps", True, CONTROL, True, False),
+    ],
+)
+def test_the_run_starts_its_own_daemon_only_where_services_share_a_gpu_and_none_is_set_up(
+    setting: str, shares: bool, control: str | None, outside: bool, start: bool
+) -> None:
+    plan = mps_plan(setting, shares, control, outside)  # type: ignore[arg-type]  # the Literal's values
+    assert plan.start is start and plan.reason
+
+
+def test_mps_without_its_binary_is_a_start_problem_only_when_asked_for() -> None:
+    assert missing_control_problem("auto", None) is None
+    assert missing_control_problem("mps", CONTROL) is None
+    problem = missing_control_problem("mps", None)
+    assert problem is not None and "run.gpu_sharing=mps" in problem
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "shares"),
+    [
+        ([], 1, True),  # the default one-GPU run: the learner and the replica on cuda:0
+        ([], 0, False),
+        (["trainer.device=cpu"], 1, False),
+        (["rollout.device=cpu"], 1, False),
+        (["trainer.n_gpus_per_node=2"], 2, True),  # no GPU left: the replicas go on the learner's
+        (["trainer.n_gpus_per_node=2"], 4, False),  # the replicas get GPUs 2 and 3
+    ],
+)
+def test_which_runs_share_a_gpu(overrides: list[str], gpus: int, shares: bool) -> None:
+    assert shares_a_gpu(load_config(None, overrides), gpus) is shares
+
+
+@pytest.mark.gpu
+def test_two_processes_run_as_clients_of_the_run_s_daemon(tmp_path: Path) -> None:
+    """Started for a run, the daemon serves the processes given its environment, and quits at the end."""
+    import torch
+
+    control = find_control()
+    if control is None or not torch.cuda.is_available():
+        pytest.skip("needs a GPU and nvidia-cuda-mps-control")
+    daemon = MpsDaemon(tmp_path, control)
+    assert daemon.start()
+    try:
+        code = "import torch; x = torch.ones(256, 256, device='cuda'); print(float((x @ x).sum()))"
+        env = {**os.environ, **daemon.env}
+        for _ in range(2):
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            assert done.returncode == 0 and float(done.stdout) == 256.0**3, done.stderr
+    finally:
+        daemon.stop()
+    logs = "".join(f.read_text() for f in sorted(daemon.logs.glob("*.log"))).lower()
+    assert logs.count("new client") >= 2, logs  # both processes went through this daemon
