@@ -1,12 +1,13 @@
-"""Services that share one GPU, run under NVIDIA's Multi-Process Service (MPS) when it is there.
+"""Services that share one GPU, time-sliced by the driver or side by side under NVIDIA's Multi-Process Service.
 
 Without MPS the GPU time-slices between processes: the learner's kernels and a replica's never run at the
-same time, so at async_level >= 1 on one GPU a step costs the sum of the two services' GPU times, whatever
-the overlap the bus allows. Under MPS their kernels share the GPU's SMs as one process's streams would
-(the decode step's small kernels leave most SMs idle). `rlbus up` starts an MPS control daemon of its own
-for the run (pipe and log folders of its own, so it neither finds nor disturbs another) when
-the learner and a rollout replica share a GPU and `nvidia-cuda-mps-control` is installed, and quits it at
-the end. The decision is `mps_plan`; `MpsDaemon` is the shell.
+same time, so at async_level >= 1 on one GPU a step costs about the sum of the two services' GPU times.
+Under MPS their kernels share the GPU's SMs as one process's streams would. With `run.gpu_sharing=mps`
+(or `auto` where `nvidia-cuda-mps-control` is installed) `rlbus up` starts an MPS control daemon of its own
+for the run when the learner and a replica share a GPU (pipe and log folders of its own, so it neither finds
+nor disturbs another), and quits it at the end. The default stays time-sliced: at the 0.5B shape on an H100
+MPS gave the same step time with a worse p99 (README, "Sharing one GPU"). `mps_plan` decides; `MpsDaemon`
+is the shell.
 """
 
 from __future__ import annotations
