@@ -29,6 +29,7 @@ log = get_logger("rlbus.gpu_sharing")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 GpuSharing = Literal["auto", "mps", "time_slice"]
+PIPES_RECORD = "pipe-folder"  # in the run's logs/mps while its daemon runs: where its sockets are
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,19 @@ class MpsDaemon:
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
 
     def start(self) -> bool:
-        """Start it (`-d`: it daemonizes and returns); False, with the reason logged, when it would not."""
+        """Start it (`-d`: it daemonizes and returns); False, with the reason logged, when it would not.
+        A daemon an earlier launcher of this run left behind (killed before it could quit it) is quit first."""
         self.pipes.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
+        if (old := leftover_pipes(self.logs)) is not None:
+            log.warning("quitting the MPS daemon an earlier launcher of this run left", pipes=str(old))
+            self._quit(old)
         done = subprocess.run(
             [self.control, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True, timeout=30
         )
         self.running = done.returncode == 0
+        if self.running:
+            (self.logs / PIPES_RECORD).write_text(f"{self.pipes}\n")
         if not self.running:
             log.warning(
                 "the MPS daemon did not start; the GPU time-slices", rc=done.returncode, out=done.stderr
@@ -88,12 +95,24 @@ class MpsDaemon:
         """Quit it: its server ends once the services (its clients) have."""
         if not self.running:
             return
-        subprocess.run(
-            [self.control], input="quit\n", env={**os.environ, **self.env}, capture_output=True, text=True,
-            timeout=30,
-        )  # fmt: skip
+        self._quit(self.pipes)
         self.running = False
-        shutil.rmtree(self.pipes, ignore_errors=True)
+        (self.logs / PIPES_RECORD).unlink(missing_ok=True)
+
+    def _quit(self, pipes: Path) -> None:
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
+        subprocess.run([self.control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
+        shutil.rmtree(pipes, ignore_errors=True)
+
+
+def leftover_pipes(logs: Path) -> Path | None:
+    """The pipe folder of a daemon a launcher of this run started and did not quit (its record is still in
+    the run's `logs/mps`, and its control socket still exists), or None."""
+    record = logs / PIPES_RECORD
+    if not record.exists():
+        return None
+    pipes = Path(record.read_text().strip())
+    return pipes if (pipes / "control").exists() else None
 
 
 def missing_control_problem(setting: GpuSharing, control: str | None) -> str | None:

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from rlbus.config import load_config
-from rlbus.gpu_sharing import MpsDaemon, find_control, missing_control_problem, mps_plan, shares_a_gpu
+from rlbus.gpu_sharing import (
+    PIPES_RECORD,
+    MpsDaemon,
+    find_control,
+    leftover_pipes,
+    missing_control_problem,
+    mps_plan,
+    shares_a_gpu,
+)
 
 CONTROL = "/usr/bin/nvidia-cuda-mps-control"
 
@@ -56,6 +64,19 @@ def test_which_runs_share_a_gpu(overrides: list[str], gpus: int, shares: bool) -
     assert shares_a_gpu(load_config(None, overrides), gpus) is shares
 
 
+def test_a_daemon_left_by_a_killed_launcher_is_found_by_the_next(tmp_path: Path) -> None:
+    """A launcher killed before it quit its daemon leaves the record of its pipe folder in the run's logs: the
+    next launcher of the run finds it while its control socket is there, and not once it is gone."""
+    logs, pipes = tmp_path / "logs" / "mps", tmp_path / "rlbus-mps-old"
+    logs.mkdir(parents=True)
+    pipes.mkdir()
+    assert leftover_pipes(logs) is None  # no record: none was started
+    (logs / PIPES_RECORD).write_text(f"{pipes}\n")
+    assert leftover_pipes(logs) is None  # recorded, but its socket is gone: it quit
+    (pipes / "control").touch()
+    assert leftover_pipes(logs) == pipes
+
+
 @pytest.mark.gpu
 def test_two_processes_run_as_clients_of_the_run_s_daemon(tmp_path: Path) -> None:
     """Started for a run, the daemon serves the processes given its environment, and quits at the end."""
@@ -67,6 +88,7 @@ def test_two_processes_run_as_clients_of_the_run_s_daemon(tmp_path: Path) -> Non
     daemon = MpsDaemon(tmp_path, control)
     assert daemon.start()
     try:
+        assert leftover_pipes(daemon.logs) == daemon.pipes  # what a launcher killed now would leave
         code = "import torch; x = torch.ones(256, 256, device='cuda'); print(float((x @ x).sum()))"
         env = {**os.environ, **daemon.env}
         for _ in range(2):
@@ -74,5 +96,6 @@ def test_two_processes_run_as_clients_of_the_run_s_daemon(tmp_path: Path) -> Non
             assert done.returncode == 0 and float(done.stdout) == 256.0**3, done.stderr
     finally:
         daemon.stop()
+    assert leftover_pipes(daemon.logs) is None
     logs = "".join(f.read_text() for f in sorted(daemon.logs.glob("*.log"))).lower()
     assert logs.count("new client") >= 2, logs  # both processes went through this daemon
