@@ -69,12 +69,14 @@ class MpsDaemon:
     @property
     def env(self) -> dict[str, str]:
         """What a service needs to find this daemon."""
-        return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
+        return self._env(self.pipes)
+
+    def _env(self, pipes: Path) -> dict[str, str]:
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
 
     def start(self) -> bool:
         """Start it (`-d`: it daemonizes and returns); False, with the reason logged, when it would not.
         A daemon an earlier launcher of this run left behind (killed before it could quit it) is quit first."""
-        self.pipes.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         if (old := leftover_pipes(self.logs)) is not None:
             log.warning("quitting the MPS daemon an earlier launcher of this run left", pipes=str(old))
@@ -85,10 +87,11 @@ class MpsDaemon:
         self.running = done.returncode == 0
         if self.running:
             (self.logs / PIPES_RECORD).write_text(f"{self.pipes}\n")
-        if not self.running:
+        else:
             log.warning(
                 "the MPS daemon did not start; the GPU time-slices", rc=done.returncode, out=done.stderr
             )
+            shutil.rmtree(self.pipes, ignore_errors=True)
         return self.running
 
     def stop(self) -> None:
@@ -100,7 +103,7 @@ class MpsDaemon:
         (self.logs / PIPES_RECORD).unlink(missing_ok=True)
 
     def _quit(self, pipes: Path) -> None:
-        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipes), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
+        env = {**os.environ, **self._env(pipes)}
         subprocess.run([self.control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
         shutil.rmtree(pipes, ignore_errors=True)
 

@@ -77,6 +77,15 @@ def test_a_daemon_left_by_a_killed_launcher_is_found_by_the_next(tmp_path: Path)
     assert leftover_pipes(logs) == pipes
 
 
+def test_a_daemon_that_would_not_start_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A control binary that fails (here `false`, the shell's failing command) leaves the run time-sliced:
+    no pipe folder, no record for a later launcher to quit."""
+    daemon = MpsDaemon(tmp_path, "false")
+    assert not daemon.start()
+    assert not daemon.pipes.exists() and leftover_pipes(daemon.logs) is None
+    daemon.stop()  # nothing to quit
+
+
 @pytest.mark.gpu
 def test_two_processes_run_as_clients_of_the_run_s_daemon(tmp_path: Path) -> None:
     """Started for a run, the daemon serves the processes given its environment, and quits at the end."""
