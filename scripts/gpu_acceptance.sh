@@ -16,11 +16,12 @@
 #     second reuses the model and the curves left in $LEARNING_WORK. On a new machine the second call pretrains
 #     again and uses the curves only if the weights come out the same (add --deterministic to both calls'
 #     LEARNING_ARGS for that: deterministic kernels, 1.8x slower pretraining), else it stops and says so.
+#   bash scripts/gpu_acceptance.sh 5   # async_level=1 time-sliced against under MPS (run.gpu_sharing), in turn, 3 pairs
 #   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
 #                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
 set -uo pipefail
-part=${1:?part 0, 1, 2, 3 or 4}
+part=${1:?part 0, 1, 2, 3, 4 or 5}
 results=${RESULTS:-./gpu-results}
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
@@ -69,8 +70,20 @@ case $part in
   timeout 570 "$py" bench/learner.py --warmup 2 --steps 4 --configs "${LEARNER_CONFIGS:-plain-bf16,plain-bf16+compile,rlbus}" \
     --out "$results/learner.json" 2>&1 | grep -v "Loading weights" | tee "$results/learner.log" | tail -20
   ;;
+5)
+  # one GPU shared by the learner and a replica: the driver's time-slicing against MPS, alternating so that a
+  # slow spell of the machine hits both (rlbus only: the sharing is the difference)
+  for round in 1 2 3; do
+    for sharing in time_slice mps; do
+      echo "== round $round, run.gpu_sharing=$sharing"
+      timeout 170 "$py" bench/e2e_gpu.py --async-levels 1 --no-trl --rounds 1 --warmup 2 --steps 5 --timeout 150 \
+        --rlbus-override "run.gpu_sharing=$sharing" 2>&1 | grep -v "Loading weights" \
+        | tee "$results/e2e-$sharing-$round.log" | grep -E "step [0-9]|^rlbus async_level=1 +[0-9]" | sort -u
+    done
+  done
+  ;;
 *)
-  echo "unknown part $part (0, 1, 2, 3 or 4)" >&2
+  echo "unknown part $part (0, 1, 2, 3, 4 or 5)" >&2
   exit 2
   ;;
 esac
