@@ -18,8 +18,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from rlbus.config.sections import GpuSharing
 from rlbus.logs import get_logger
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 log = get_logger("rlbus.gpu_sharing")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-GpuSharing = Literal["auto", "mps", "time_slice"]
 PIPES_RECORD = "pipe-folder"  # in the run's logs/mps while its daemon runs: where its sockets are
 
 
@@ -40,7 +40,7 @@ class MpsPlan:
     reason: str
 
 
-def mps_plan(setting: GpuSharing, shares_a_gpu: bool, control: str | None, outside_daemon: bool) -> MpsPlan:
+def mps_plan(setting: GpuSharing, shared_gpu: bool, control: str | None, outside_daemon: bool) -> MpsPlan:
     """`setting` (run.gpu_sharing), whether the learner and a replica share a GPU, the control binary's path
     (None: not installed) and whether the user already runs the services under an MPS daemon of their own
     (CUDA_MPS_PIPE_DIRECTORY set): that daemon is theirs to keep, and the services find it through it."""
@@ -48,7 +48,7 @@ def mps_plan(setting: GpuSharing, shares_a_gpu: bool, control: str | None, outsi
         return MpsPlan(False, "run.gpu_sharing=time_slice")
     if outside_daemon:
         return MpsPlan(False, "CUDA_MPS_PIPE_DIRECTORY is set: the services use that MPS daemon")
-    if not shares_a_gpu:
+    if not shared_gpu:
         return MpsPlan(False, "no GPU is shared by the learner and a replica")
     if control is None:  # run.gpu_sharing=mps was refused at start (`missing_control_problem`)
         return MpsPlan(False, f"{MPS_CONTROL} is not installed: the GPU time-slices between the services")

@@ -28,6 +28,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+GpuSharing = Literal["auto", "mps", "time_slice"]  # run.gpu_sharing (rlbus.gpu_sharing)
+
+
 class RunConfig(Section):
     id: str = Field(
         "demo", pattern=r"^[A-Za-z0-9_-]+$", description="namespaces every subject, stream and bucket"
@@ -54,7 +57,7 @@ class RunConfig(Section):
         "torch and transformers (a start or restart skips 2-4 s of imports); exec = a fresh "
         "`python -m rlbus.cli` each, as compose and k8s start them",
     )
-    gpu_sharing: Literal["auto", "mps", "time_slice"] = Field(
+    gpu_sharing: GpuSharing = Field(
         "time_slice",
         description="services that share a GPU (the learner and a replica on one GPU): time_slice = as the "
         "driver does (their kernels take turns); mps = under an MPS daemon of the run's own (their kernels run "
