@@ -16,7 +16,9 @@ Runs, one after the other on the same batch:
 * ``/var``: the same on a batch of mixed lengths (uniform in [seq_len/8, seq_len]): padding vs packing.
 
 The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
-151936, tied embeddings) with random weights, built locally. MFU = model FLOPs/s over the peak
+151936, tied embeddings) with random weights, built locally; `--shape learning` is
+``bench/learning.py``'s 75.5M model (hidden 768, 12 layers, a 54-token vocabulary), where a step is small
+enough that the host's launches can bound it. MFU = model FLOPs/s over the peak
 (``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
 attention per token, recompute not counted, padding not counted (see ``perf.train_flops_per_token``).
 
@@ -78,6 +80,8 @@ ALL_CONFIGS = [
     "rlbus+offload",
     "rlbus+pack+liger",
     "rlbus+pack+liger/var",
+    "rlbus+eager/var",
+    "rlbus+eager+pack/var",
     "rlbus+liger+autocast",
     "rlbus+chunk4k",
     "rlbus+pack+chunk4k/var",
@@ -143,6 +147,18 @@ def model_config(args: argparse.Namespace):
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    if args.shape == "learning":  # bench/learning.py's model: 75.5M on rlbus's 54-token character vocabulary
+        return Qwen2Config(
+            vocab_size=54,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=512,
             tie_word_embeddings=True,
         )
     return Qwen2Config(
@@ -419,7 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--group", type=int, default=4, help="GRPO group size")
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--layers", type=int, default=24, help="decoder layers of the 0.5B shape")
+    p.add_argument(
+        "--shape",
+        choices=["0.5b", "learning"],
+        default="0.5b",
+        help="0.5b: Qwen2-0.5B's; learning: bench/learning.py's 75.5M model on a 54-token vocabulary",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

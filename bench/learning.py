@@ -228,9 +228,9 @@ def cold_compile_env(work: Path, system: str) -> dict[str, str]:
 
 
 def rlbus_slug(args: argparse.Namespace, level: int) -> str:
-    """The name of an rlbus run's curve file and run folder: its async level, and whether it packed (a packed
-    run's curve must not be read back for a padded one)."""
-    return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "")
+    """The name of an rlbus run's curve file and run folder: its async level, whether it packed and its
+    micro-batch (a curve must not be read back for a run of other settings)."""
+    return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "") + f"-mb{args.micro_batch}"
 
 
 def run_rlbus(
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.no_trl:
         trl = lambda: Curve(*run_trl(args, model, data, work, cold_compile_env(work, "trl")))  # noqa: E731
-        curves.append(measured(work, f"trl-{args.trl_precision}", weights, trl))
+        curves.append(measured(work, f"trl-{args.trl_precision}-mb{args.micro_batch}", weights, trl))
     report(curves, pretrained, work, args)
     return 0
 
