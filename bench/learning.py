@@ -68,6 +68,11 @@ class Curve:
     name: str
     points: list[tuple[float, float]] = field(default_factory=list)
     steps: int = 0
+    updates: list[int] = field(default_factory=list)  # optimizer updates behind each point's policy
+
+    def by_updates(self) -> str:
+        """The points by updates instead of seconds ("12:0.531"): learning per update, apart from speed."""
+        return ", ".join(f"{u}:{acc:.3f}" for u, (_, acc) in zip(self.updates, self.points, strict=False))
 
     def at(self, seconds: float) -> float:
         """The last accuracy measured at or before `seconds` (nan before the first)."""
@@ -267,16 +272,20 @@ def run_rlbus(
             proc.send_signal(signal.SIGINT)  # what Ctrl-C does: every service stops cleanly
             proc.wait(timeout=120)
     rows = [json.loads(line) for line in (work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
-    points, steps = rlbus_points(rows, launched, args.budget_s)
-    return Curve(f"rlbus async_level={level}", points=points, steps=steps)
+    points, steps, updates = rlbus_points(rows, launched, args.budget_s)
+    return Curve(f"rlbus async_level={level}", points=points, steps=steps, updates=updates)
 
 
-def rlbus_points(rows: list[dict], launched: float, budget_s: float) -> tuple[list[tuple[float, float]], int]:
+def rlbus_points(
+    rows: list[dict], launched: float, budget_s: float
+) -> tuple[list[tuple[float, float]], int, list[int]]:
     """rlbus's held-out accuracy on the clock TRL's is read on, from its metrics rows, and the steps it
     trained within `budget_s` on that clock. An evaluation's point is at the start of the step whose policy it
     evaluated (TRL's: as its evaluation starts), and the time evaluations held their steps
-    (`timing/validation_wait_s`) is off the clock from then on, as TRL's evaluation time is off TRL's."""
+    (`timing/validation_wait_s`) is off the clock from then on, as TRL's evaluation time is off TRL's.
+    Also returns the updates behind each point's policy (step N's evaluation: N - 1)."""
     points: list[tuple[float, float]] = []
+    updates: list[int] = []
     steps, held = 0, 0.0
     for row in rows:
         if "timing/step_s" not in row:  # verl's validation rows, the run's last row
@@ -286,11 +295,12 @@ def rlbus_points(rows: list[dict], launched: float, budget_s: float) -> tuple[li
             start = end - float(row["timing/step_s"])
             if start <= budget_s:
                 points.append((start, float(row["val/reward_mean"])))
+                updates.append(int(row["step"]) - 1)
             wait = float(row.get("timing/validation_wait_s", 0.0))
             held, end = held + wait, end - wait
         if end <= budget_s:
             steps = max(steps, int(row["step"]))
-    return points, steps
+    return points, steps, updates
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -304,9 +314,12 @@ def report(curves: list[Curve], pretrained: dict, work: Path, args: argparse.Nam
             f"{c.name}: {c.steps} steps, gain {c.gain():+.3f}; "
             + ", ".join(f"{t:.0f}s {a:.3f}" for t, a in c.points)
         )
+        if c.updates:
+            print(f"  by updates: {c.by_updates()}")
     trl = next((c for c in curves if c.name.startswith("TRL")), None)
     summary: dict = {"pretrained": pretrained, "budget_s": args.budget_s,
-                     "curves": {c.name: {"steps": c.steps, "gain": c.gain(), "points": c.points} for c in curves}}  # fmt: skip
+                     "curves": {c.name: {"steps": c.steps, "gain": c.gain(), "points": c.points, "updates": c.updates}
+                                for c in curves}}  # fmt: skip
     if trl is not None and trl.points:
         target, at = trl.points[-1][1], trl.points[-1][0]
         trl_reach = trl.reach(target)
@@ -477,11 +490,12 @@ def measured(work: Path, slug: str, weights: str, run: Callable[[], Curve]) -> C
                 "the curves would not compare; measure every system again in a fresh --work folder"
             )
         print(f"{saved['name']}: reusing the curve measured earlier in {path}", flush=True)
-        return Curve(saved["name"], [tuple(p) for p in saved["points"]], saved["steps"])
+        return Curve(
+            saved["name"], [tuple(p) for p in saved["points"]], saved["steps"], saved.get("updates", [])
+        )
     curve = run()
-    path.write_text(
-        json.dumps({"name": curve.name, "points": curve.points, "steps": curve.steps, "model": weights})
-    )
+    path.write_text(json.dumps({"name": curve.name, "points": curve.points, "steps": curve.steps,
+                                "updates": curve.updates, "model": weights}))  # fmt: skip
     return curve
 
 

@@ -47,6 +47,7 @@ def trl_child(spec: dict) -> None:
     task = WorkedAddition(spec["min_digits"], spec["max_digits"])
     val = rendered(tokenizer, task.make_examples("val", spec["val_examples"], seed=spec["seed"]))
     points: list[tuple[float, float]] = []
+    updates: list[int] = []  # optimizer steps behind each point
     eval_s = [0.0]
 
     def correct(completions, ground_truth, **_kw):
@@ -56,21 +57,22 @@ def trl_child(spec: dict) -> None:
         ]
 
     class HeldOut(TrainerCallback):
-        def evaluate(self, model) -> None:
+        def evaluate(self, model, update: int) -> None:
             t0 = time.time()
+            updates.append(update)
             acc = evaluate_accuracy(
                 model, tokenizer, task, val, temperature=0.0, max_new_tokens=spec["max_new_tokens"]
             )
             points.append((t0 - spec["launched"] - eval_s[0], acc))  # the clock without earlier evaluations
             eval_s[0] += time.time() - t0
 
-        def on_train_begin(self, _args, _state, control, model=None, **_kw):
-            self.evaluate(model)
+        def on_train_begin(self, _args, state, control, model=None, **_kw):
+            self.evaluate(model, state.global_step)
 
         def on_step_end(self, _args, state, control, model=None, **_kw):
             spent = time.time() - spec["launched"] - eval_s[0]
             if state.global_step % spec["test_freq"] == 0 or spent >= spec["budget_s"]:
-                self.evaluate(model)
+                self.evaluate(model, state.global_step)
             control.should_training_stop = spent >= spec["budget_s"]
 
     config = GRPOConfig(
@@ -101,13 +103,15 @@ def trl_child(spec: dict) -> None:
         # the compiled static-cache decode that rlbus's engine uses
         trainer.generation_config.disable_compile = False
     trainer.train()
-    Path(spec["result"]).write_text(json.dumps({"points": points, "steps": trainer.state.global_step}))
+    Path(spec["result"]).write_text(
+        json.dumps({"points": points, "steps": trainer.state.global_step, "updates": updates})
+    )
 
 
 def run_trl(
     args: argparse.Namespace, model: Path, data: tuple[Path, Path], work: Path, env: dict[str, str]
-) -> tuple[str, list[tuple[float, float]], int]:
-    """TRL's curve (name, (seconds, accuracy) points, steps), from a child process launched with `env`."""
+) -> tuple[str, list[tuple[float, float]], int, list[int]]:
+    """TRL's curve (name, (seconds, accuracy) points, steps, updates behind each point), from a child process launched with `env`."""
     out = work / "trl"
     spec = {
         "out": str(out), "result": str(out / "result.json"), "model": str(model), "train": str(data[0]),
@@ -127,7 +131,8 @@ def run_trl(
         raise RuntimeError(f"TRL exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(Path(spec["result"]).read_text())
     name = "TRL GRPOTrainer" + (" (bf16 weights)" if args.trl_precision == "bf16" else "")
-    return name, [(float(t), float(acc)) for t, acc in result["points"]], int(result["steps"])
+    points = [(float(t), float(acc)) for t, acc in result["points"]]
+    return name, points, int(result["steps"]), [int(u) for u in result.get("updates", [])]
 
 
 if __name__ == "__main__":

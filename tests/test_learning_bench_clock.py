@@ -34,10 +34,13 @@ def test_an_evaluation_is_placed_at_its_step_start_and_its_hold_is_off_the_clock
         row(5, 15.5, 1.0),  # 14.0 on the clock without 1.5 s of holds
         row(6, 16.6, 1.0),  # past a 15 s budget on that clock
     ]
-    points, steps = learning.rlbus_points(rows, launched, budget_s=15.0)
+    points, steps, updates = learning.rlbus_points(rows, launched, budget_s=15.0)
     # step 1 started at 6 s (its end less its 4 s); step 3 at 13 - 1 (held before) - 1 = 11 s
     assert points == [(6.0, 0.2), (11.0, 0.5)]
     assert steps == 5
+    assert updates == [0, 2]  # the policies step 1 and step 3 started from
+    curve = learning.Curve("rlbus", points, steps, updates)
+    assert curve.by_updates() == "0:0.200, 2:0.500"
 
 
 def test_accuracy_at_equal_time_is_read_at_every_one_of_trls_evaluations(learning) -> None:
