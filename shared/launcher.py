@@ -418,7 +418,6 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     run_dir, config_path, server = prepare_run(cfg, fresh, users)
     procs = service_processes(cfg, config_path, run_dir, gpus)
     threads = cpu_thread_env(cfg, procs, gpus)
-    mps = start_for_run(cfg, gpus, run_dir)  # services sharing a GPU run side by side under it
     for p in procs:
         if users is not None:
             p.env.update(role_env(users, p))
@@ -426,7 +425,6 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
         p.env["PYTHONSAFEPATH"] = "1"  # a folder named rlbus/ where the user stands must not hide the package
         p.env[ON_REFUSAL_ENV] = "exit"  # a refusal must reach this supervisor (a held child never would)
         p.env.update(threads.get(p.name, {}))
-        p.env.update(mps.env if mps is not None else {})
         p.preforked = cfg.run.service_start == "fork"
     stopping = False
 
@@ -440,8 +438,11 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     console = Console(cfg, run_dir)
     supervisor = Supervisor(cfg.run.max_restarts, cfg.run.restart_backoff_s)
     outcome = Outcome(rc=130)  # stopped by a signal, unless the loop says otherwise
-    try:
+    mps = None
+    try:  # the MPS daemon starts inside: whatever ends the run, the finally quits it
+        mps = start_for_run(cfg, gpus, run_dir)  # services sharing a GPU run side by side under it
         for p in procs:
+            p.env.update(mps.env if mps is not None else {})
             p.start()
         console_at = time.monotonic()
         while not stopping:
