@@ -417,6 +417,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "is one dense masked product, slower than padding); TRL's GRPOTrainer has no such setting and pads",
     )
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward, both systems")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
     p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")
     args = p.parse_args(argv)
