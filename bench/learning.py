@@ -235,7 +235,8 @@ def cold_compile_env(work: Path, system: str) -> dict[str, str]:
 def rlbus_slug(args: argparse.Namespace, level: int) -> str:
     """The name of an rlbus run's curve file and run folder: its async level, whether it packed and its
     micro-batch (a curve must not be read back for a run of other settings)."""
-    return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "") + f"-mb{args.micro_batch}"
+    extra = "".join(f"-{o.replace('=', '-').replace('.', '_')}" for o in args.rlbus_override)
+    return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "") + f"-mb{args.micro_batch}" + extra
 
 
 def run_rlbus(
@@ -258,6 +259,7 @@ def run_rlbus(
         f"rollout.device={args.device}", f"model.dtype={args.dtype}",
         f"actor_rollout_ref.actor.use_torch_compile={str(args.learner_compile).lower()}",
         f"actor_rollout_ref.model.use_remove_padding={str(args.remove_padding).lower()}",
+        *args.rlbus_override,
     ]  # fmt: skip
     print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
     log = work / f"{run_id}.log"
@@ -417,7 +419,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "is one dense masked product, slower than padding); TRL's GRPOTrainer has no such setting and pads",
     )
     p.add_argument("--lr", type=float, default=None, help="GRPO's learning rate, both systems")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward, both systems")
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per forward/backward, both systems"
+    )
+    p.add_argument(
+        "--rlbus-override",
+        action="append",
+        default=[],
+        help="an extra dotted override for rlbus only (run.gpu_sharing=mps); part of its curve's name",
+    )
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature, both systems")
     p.add_argument("--work", default=None, help="where models, data and runs go (a temporary folder)")
     args = p.parse_args(argv)
