@@ -17,11 +17,13 @@
 #     again and uses the curves only if the weights come out the same (add --deterministic to both calls'
 #     LEARNING_ARGS for that: deterministic kernels, 1.8x slower pretraining), else it stops and says so.
 #   bash scripts/gpu_acceptance.sh 5   # async_level=1 time-sliced against under MPS (run.gpu_sharing), in turn, 3 pairs
+#   bash scripts/gpu_acceptance.sh 6   # the learning bench's async_level=1, time-sliced and under MPS, on one model
+#                                      # (its 75M decode leaves most SMs idle, where MPS may overlap the update)
 #   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
 #                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
 set -uo pipefail
-part=${1:?part 0, 1, 2, 3, 4 or 5}
+part=${1:?part 0, 1, 2, 3, 4, 5 or 6}
 results=${RESULTS:-./gpu-results}
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
@@ -82,8 +84,17 @@ case $part in
     done
   done
   ;;
+6)
+  work=${LEARNING_WORK:-/tmp/rlbus-learning}
+  for sharing in time_slice mps; do
+    echo "== learning bench, run.gpu_sharing=$sharing"
+    timeout 290 "$py" bench/learning.py --work "$work" --budget-s 100 --pretrain-s 120 --async-levels 1 --no-trl \
+      --micro-batch 512 --rlbus-override "run.gpu_sharing=$sharing" 2>&1 | grep -v "Loading weights" \
+      | tee "$results/learning-$sharing.log" | grep -E "^pretrained|^rlbus async_level=1: [0-9]|by updates"
+  done
+  ;;
 *)
-  echo "unknown part $part (0, 1, 2, 3, 4 or 5)" >&2
+  echo "unknown part $part (0, 1, 2, 3, 4, 5 or 6)" >&2
   exit 2
   ;;
 esac
