@@ -8,7 +8,8 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
    card rebuilds the same weights, about 1.8x slower);
 2. GRPO from that model with each system for the same wall-clock budget: the same parquet (verl's schema),
    the same reward (`worked_addition.compute_score`, rlbus's custom_reward_function and TRL's reward
-   function), n samples at the same temperature, the same lr, batch and response budget, no KL, gradient
+   function), n samples at the same temperature, the same lr, batch, micro-batch (`--micro-batch`) and
+   response budget, no KL, gradient
    checkpointing off, both training eager (`--learner-compile` compiles rlbus's layers), rlbus packing
    each micro-batch's sequences on a GPU as verl's GRPO examples set it (`--no-remove-padding` pads, as
    TRL does), TRL with its static cache and compiled decode, rlbus's replica generating the whole batch in
@@ -21,8 +22,10 @@ No weights can be downloaded here, so the model is made on the spot, seeded:
    validation (`trainer.test_freq`; the time it held a step is taken off rlbus's clock, `rlbus_points`),
    TRL's by a callback (its evaluation time is taken off TRL's clock).
 
-It prints both curves, the time each system took to reach TRL's final accuracy and their ratio, the
-accuracy of each at TRL's last evaluation, and writes `learning.png` and `learning.json`.
+It prints both curves (also by optimizer updates: learning per update, apart from speed), the time each
+system took to reach TRL's final accuracy and their ratio, the accuracy of each at TRL's last evaluation, and
+writes `learning.png` and `learning.json`. `--rlbus-override KEY=VALUE` gives rlbus alone one more dotted
+override (`run.gpu_sharing=mps`); it becomes part of that curve's name.
 
     python bench/learning.py                       # on the H200: pretrain, then 3 systems x --budget-s
     python bench/learning.py --tiny --no-trl        # CPU smoke (make test-slow): rlbus only, about a minute
