@@ -236,8 +236,8 @@ def cold_compile_env(work: Path, system: str) -> dict[str, str]:
 
 
 def rlbus_slug(args: argparse.Namespace, level: int) -> str:
-    """The name of an rlbus run's curve file and run folder: its async level, whether it packed and its
-    micro-batch (a curve must not be read back for a run of other settings)."""
+    """The name of an rlbus run's curve file and run folder: its async level, whether it packed, its
+    micro-batch and any `--rlbus-override` (a curve must not be read back for a run of other settings)."""
     extra = "".join(f"-{o.replace('=', '-').replace('.', '_')}" for o in args.rlbus_override)
     return f"rlbus-a{level}" + ("-packed" if args.remove_padding else "") + f"-mb{args.micro_batch}" + extra
 
@@ -278,7 +278,10 @@ def run_rlbus(
             proc.wait(timeout=120)
     rows = [json.loads(line) for line in (work / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
     points, steps, updates = rlbus_points(rows, launched, args.budget_s)
-    return Curve(f"rlbus async_level={level}", points=points, steps=steps, updates=updates)
+    name = f"rlbus async_level={level}" + (
+        f" ({', '.join(args.rlbus_override)})" if args.rlbus_override else ""
+    )
+    return Curve(name, points=points, steps=steps, updates=updates)
 
 
 def rlbus_points(
