@@ -149,17 +149,13 @@ def model_config(args: argparse.Namespace):
             max_position_embeddings=4096,
             tie_word_embeddings=True,
         )
-    if args.shape == "learning":  # bench/learning.py's model: 75.5M on rlbus's 54-token character vocabulary
-        return Qwen2Config(
-            vocab_size=54,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            head_dim=64,
-            max_position_embeddings=512,
-            tie_word_embeddings=True,
+    if args.shape == "learning":  # bench/learning.py's model (its GPU shape) on rlbus's character tokenizer
+        from learning import shape
+
+        from rlbus.tiny_model import make_config, make_tokenizer
+
+        return make_config(
+            make_tokenizer(), max_position_embeddings=512, **shape(argparse.Namespace(tiny=False))
         )
     return Qwen2Config(
         vocab_size=151936,
