@@ -17,8 +17,8 @@ Runs, one after the other on the same batch:
 
 The model is Qwen2-0.5B-sized (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936, tied embeddings) with random weights, built locally; `--shape learning` is
-``bench/learning.py``'s 75.5M model (hidden 768, 12 layers, a 54-token vocabulary), where a step is small
-enough that the host's launches can bound it. MFU = model FLOPs/s over the peak
+``bench/learning.py``'s 75.5M model (hidden 768, 12 layers, a 54-token vocabulary), whose update that bench
+waits for. MFU = model FLOPs/s over the peak
 (``--peak-tflops``, default 989 = H200/H100 dense bf16): 6 x matmul parameters (lm_head included) + causal
 attention per token, recompute not counted, padding not counted (see ``perf.train_flops_per_token``).
 

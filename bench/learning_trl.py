@@ -111,7 +111,8 @@ def trl_child(spec: dict) -> None:
 def run_trl(
     args: argparse.Namespace, model: Path, data: tuple[Path, Path], work: Path, env: dict[str, str]
 ) -> tuple[str, list[tuple[float, float]], int, list[int]]:
-    """TRL's curve (name, (seconds, accuracy) points, steps, updates behind each point), from a child process launched with `env`."""
+    """TRL's curve (name, (seconds, accuracy) points, steps, updates behind each point), from a child process
+    launched with `env`."""
     out = work / "trl"
     spec = {
         "out": str(out), "result": str(out / "result.json"), "model": str(model), "train": str(data[0]),
