@@ -191,12 +191,13 @@ def profile_batch(engine: Any, requests: list[Any]) -> float:
     return seconds
 
 
-PLANNED = ("hf", "hf-unfused", "hf-sdpa-decode")  # engines whose decode shapes are planned
+PLANNED = ("hf", "hf-recorded", "hf-unfused", "hf-sdpa-decode")  # engines whose decode shapes are planned
 
 
 def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:
     """`hf`: the replica's engine (decode shapes planned for these batches, compiled by warm_up before the
-    clock starts; q/k/v and gate/up fused); `hf-unfused`: the same without the fused projections;
+    clock starts; q/k/v and gate/up fused); `hf-recorded`: the same with its decode step's eager kernels
+    recorded as CUDA graphs instead of compiled (rollout.decode_step=recorded); `hf-unfused`: the same without the fused projections;
     `hf-sdpa-decode`: `hf` with SDPA's kernels in the decode step instead of its matrix products
     (rlbus.gqa_attention); `hf-unplanned`: compiled decode through `generate` with shapes bucketed on the fly,
     unfused (the engine before shape planning); `hf-eager`: no compiled decode (rollout.enforce_eager=true)."""
@@ -216,6 +217,7 @@ def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argpa
         decode_shapes=shapes if name in PLANNED else None,
         fuse_projections=name not in ("hf-unfused", "hf-unplanned"),
         attn_implementation=GQA_SDPA_KERNELS if name == "hf-sdpa-decode" else "sdpa",
+        decode_step="recorded" if name == "hf-recorded" else "inductor",
     )
     if name in PLANNED:
         engine.warm_up(lambda line: print(f"   {line}", flush=True))
@@ -237,7 +239,7 @@ def _table(results: dict[str, dict[str, float]]) -> str:
     for name, row in results.items():
         cells = "".join(f"{(fmt.format(row[k]) if k in row else '-'):>13}" for k, _, fmt in cols)
         lines.append(f"{name:<14}{cells}")
-    for other in ("hf-sdpa-decode", "hf-unplanned", "hf-eager"):
+    for other in ("hf-recorded", "hf-sdpa-decode", "hf-unplanned", "hf-eager"):
         if "hf" in results and other in results and results[other].get("tokens_per_s"):
             ratio = results["hf"]["tokens_per_s"] / results[other]["tokens_per_s"]
             lines.append(f"hf/{other} tokens/s ratio: {ratio:.2f}x")
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines",
         default="hf,vllm",
-        help="any of hf, hf-unfused, hf-sdpa-decode, hf-unplanned, hf-eager, vllm",
+        help="any of hf, hf-recorded, hf-unfused, hf-sdpa-decode, hf-unplanned, hf-eager, vllm",
     )
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")

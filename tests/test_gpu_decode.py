@@ -1,5 +1,6 @@
 """The embedded engine's GPU decode (make test-gpu): our own loop on planned static caches, compiled with CUDA
-graphs at warm-up, decodes what the eager engine decodes, with behaviour log-probs the learner recomputes."""
+graphs at warm-up or recorded as CUDA graphs, decodes what the eager engine decodes, with behaviour log-probs
+the learner recomputes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ pytestmark = [
 ]
 
 
-def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode_step", ["inductor", "recorded"])
+def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(
+    tmp_path: Path, decode_step: str
+) -> None:
+    """Either decode step (rollout.decode_step: compiled by inductor, or the eager kernels recorded)."""
     from torch._dynamo.utils import counters
 
     tiny = build_tiny_model(tmp_path / "tiny")
@@ -35,6 +40,7 @@ def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(tmp_p
         compiled_decode=True,
         decode_shapes=shapes,
         compile_sampler=True,
+        decode_step=decode_step,
     )
     eager = HFEngine(tiny, dtype="float32", device="cuda", max_batch_rows=64, compiled_decode=False)
     assert fast.compiled_decode and fast.static_decode and not eager.static_decode

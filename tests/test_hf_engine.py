@@ -343,3 +343,13 @@ def test_compiled_decode_compiles_at_warm_up_only_and_decodes_as_eager(
     )
     for comp, want_lp in zip(comps, recomputed, strict=True):
         np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)
+
+
+def test_recorded_decode_step_needs_a_gpu_and_a_known_name(tiny: Path) -> None:
+    """rollout.decode_step=recorded records CUDA graphs: on the CPU the engine refuses it by the key's name
+    rather than decode some other way; an unknown step name is refused too."""
+    with pytest.raises(ValueError, match="rollout.decode_step=recorded"):
+        HFEngine(tiny, device="cpu", compiled_decode=True, decode_step="recorded")
+    with pytest.raises(ValueError, match="unknown decode step 'graphs'"):
+        HFEngine(tiny, device="cpu", compiled_decode=True, decode_step="graphs")
+    assert HFEngine(tiny, device="cpu", decode_step="recorded").compiled_decode is False  # eager on the CPU

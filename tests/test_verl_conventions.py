@@ -71,6 +71,13 @@ def test_keys_that_mean_nothing_here_are_warned_about() -> None:
     vllm = load_config(None, ["rollout.name=vllm", "rollout.decode_small_bucket=true"])
     assert "rollout.decode_small_bucket has no effect with rollout.name=vllm" in inert_key_warnings(vllm)
     assert inert_key_warnings(load_config(None, ["rollout.decode_small_bucket=true"])) == []
+    sglang = load_config(None, ["rollout.name=sglang", "rollout.decode_step=recorded"])
+    assert "rollout.decode_step has no effect with rollout.name=sglang" in inert_key_warnings(sglang)
+    eager = load_config(None, ["rollout.enforce_eager=true", "rollout.decode_step=recorded"])
+    assert "rollout.decode_step has no effect with rollout.enforce_eager=true" in " ".join(
+        inert_key_warnings(eager)
+    )
+    assert inert_key_warnings(load_config(None, ["rollout.decode_step=recorded"])) == []
 
 
 def test_tensorboard_dir_follows_verl(tmp_path, monkeypatch) -> None:

@@ -54,6 +54,10 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
         out.append("rollout.enable_prefix_caching has no effect with rollout.name=hf")
     if cfg.rollout.name != "hf" and cfg.rollout.decode_small_bucket:
         out.append(f"rollout.decode_small_bucket has no effect with rollout.name={cfg.rollout.name}")
+    if cfg.rollout.name != "hf" and cfg.rollout.decode_step != "inductor":
+        out.append(f"rollout.decode_step has no effect with rollout.name={cfg.rollout.name}")
+    elif cfg.rollout.enforce_eager and cfg.rollout.decode_step != "inductor":
+        out.append("rollout.decode_step has no effect with rollout.enforce_eager=true (no CUDA graphs)")
     if trainer.critic_warmup:
         out.append(
             f"trainer.critic_warmup={trainer.critic_warmup} has no effect: the critic and the actor "

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from transformers import CompileConfig, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StaticCache, StoppingCriteriaList
 
 from rlbus.gqa_attention import GQA_SDPA_KERNELS, register_gqa_sdpa
 from rlbus.logs import get_logger
@@ -32,42 +32,18 @@ from rlbus.modeling import (
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
 from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
-from rlbus.rollout.engines.static_decode import StaticDecoder, sampler_compile_pays
+from rlbus.rollout.engines.static_decode import (
+    StaticDecoder,
+    decode_compile_config,
+    make_decode_step,
+    sampler_compile_pays,
+)
+from rlbus.rollout.engines.stop_strings import StopOnStrings, stop_window, tail_has_stop
 
 if TYPE_CHECKING:
     from rlbus.config import RlbusConfig
 
 log = get_logger("rlbus.rollout.hf")
-
-
-def _stop_window(stops: Iterable[str]) -> int:
-    """Tokens to decode at the tail to see any stop string: a char can take up to 4 byte-level tokens."""
-    return 4 * max((len(s) for s in stops), default=0) + 2
-
-
-def _tail_has_stop(tokenizer: Any, tail: list[int], stops: list[str]) -> bool:
-    text = tokenizer.decode(tail, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return any(s in text for s in stops)
-
-
-class _StopOnStrings(StoppingCriteria):
-    """Stops a row once its recently generated tokens contain a stop string.
-
-    Our own criterion (not generate's `stop_strings`) so that stopping and the post-hoc cut in
-    `_cut` apply the very same test, on the very same window, and can never disagree.
-    """
-
-    def __init__(self, tokenizer: Any, stops: list[str], prompt_width: int) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.prompt_width = prompt_width
-        self.window = _stop_window(stops)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        gen = input_ids[:, self.prompt_width :]
-        tails = gen[:, -self.window :].tolist()
-        done = [_tail_has_stop(self.tokenizer, t, self.stops) for t in tails]
-        return cast(torch.BoolTensor, torch.tensor(done, dtype=torch.bool, device=input_ids.device))
 
 
 def _bucket_rows(rows: int, cap: int) -> int:
@@ -95,6 +71,7 @@ class HFEngine(RolloutEngine):
         static_decode: bool | None = None,
         fuse_projections: bool = True,
         compile_sampler: bool | None = None,
+        decode_step: str = "inductor",
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -104,8 +81,8 @@ class HFEngine(RolloutEngine):
             # A learner may share this GPU: stay within our share (an allocation past it raises OOM here,
             # not in the learner).
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization, self.device)
-        # transformers' static KV cache with its compiled (CUDA-graph) decode step: 4-5x the tokens/s of the
-        # dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its row buckets on that
+        # transformers' static KV cache with a CUDA-graph decode step, compiled or recorded (`decode_step`):
+        # 4-5x the tokens/s of the dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its row buckets on that
         # bucket's own static cache, compiled by `warm_up`; without, rows and widths are bucketed on the fly.
         # `static_decode` (default: with the compiled decode) runs a planned shape through our own loop
         # (static_decode.py) instead of `generate`.
@@ -144,8 +121,9 @@ class HFEngine(RolloutEngine):
         )
         vocab = int(self.model.get_output_embeddings().weight.shape[0])  # the sampler is compiled if it pays
         sampler = sampler_compile_pays(vocab) if compile_sampler is None else compile_sampler
-        compiled = self._compile_config() if self.compiled_decode else None
-        self._decoder = StaticDecoder(self.model, compiled, compile_sampler=self.compiled_decode and sampler)
+        self.decode_step = decode_step
+        step = make_decode_step(self.model, decode_step, self.device) if self.compiled_decode else None
+        self._decoder = StaticDecoder(self.model, step, compile_sampler=self.compiled_decode and sampler)
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0
@@ -165,6 +143,7 @@ class HFEngine(RolloutEngine):
             trust_remote_code=cfg.model.trust_remote_code,
             compiled_decode=None if cfg.rollout.enforce_eager is None else not cfg.rollout.enforce_eager,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            decode_step=cfg.rollout.decode_step,
             decode_shapes=plan_decode_shapes(  # the rows of one fetch, in chunks of max_num_seqs
                 min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_per_batch * cfg.rollout.n),
                 cfg.data.max_prompt_length,
@@ -221,12 +200,14 @@ class HFEngine(RolloutEngine):
         return results
 
     def warm_up(self, say: Callable[[str], None]) -> None:
-        """Compile the decode step for every row bucket now, largest first, saying each one's seconds."""
+        """Compile (or record) the decode step for every row bucket now, largest first, saying each one's
+        seconds."""
         shapes = self.decode_shapes
         if shapes is None:
             return
         buckets = sorted(shapes.row_buckets, reverse=True)
-        say(f"compiling the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
+        verb = "recording" if self.decode_step == "recorded" else "compiling"
+        say(f"{verb} the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
             f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
         # five tokens: the prefill's, then decode steps that compile, warm up and record the CUDA graph
         warm = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
@@ -234,7 +215,9 @@ class HFEngine(RolloutEngine):
             t0 = time.monotonic()
             with self._lock:
                 self._generate_rows([[self.pad_id]] * rows, warm, seed=0)
-            say(f"[{i}/{len(buckets)}] decode step for {rows} rows compiled in {time.monotonic() - t0:.1f} s")
+            say(
+                f"[{i}/{len(buckets)}] decode step for {rows} rows {verb[:-3]}ed in {time.monotonic() - t0:.1f} s"
+            )
 
     def _generation_config(self, sp: SamplingParams, static_cache: bool = False) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
@@ -265,17 +248,8 @@ class HFEngine(RolloutEngine):
             output_logits=True,
             return_dict_in_generate=True,
             **({"cache_implementation": "static"} if static_cache else {}),
-            **({"compile_config": self._compile_config()} if self.compiled_decode else {}),
+            **({"compile_config": decode_compile_config(self.device)} if self.compiled_decode else {}),
         )
-
-    def _compile_config(self) -> CompileConfig:
-        """transformers' default (CUDA graphs on a GPU) with a static graph per batch shape (sizes as symbols
-        compiled 3.2x as long and decoded 10% slower on an H100); on the CPU it compiles only when asked to
-        (tests)."""
-        config = CompileConfig(dynamic=False)
-        if self.device.type != "cuda":
-            setattr(config, "_compile_all_devices", True)  # noqa: B010 (transformers' private test switch)
-        return config
 
     def _static_cache(self, rows: int) -> StaticCache:
         """The row bucket's own static cache (allocated on its first prefill), emptied for this batch."""
@@ -316,7 +290,7 @@ class HFEngine(RolloutEngine):
             mask[b, width - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         stops = [s for s in sp.stop if s]
-        criteria = StoppingCriteriaList([_StopOnStrings(self.tokenizer, stops, width)]) if stops else None
+        criteria = StoppingCriteriaList([StopOnStrings(self.tokenizer, stops, width)]) if stops else None
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
@@ -353,13 +327,13 @@ class HFEngine(RolloutEngine):
         self, tokens: list[int], logprobs: np.ndarray, stops: list[str], ignore_eos: bool = False
     ) -> Completion:
         """Keeps tokens up to and including the first EOS or the token that completes a stop string."""
-        window = _stop_window(stops)
+        window = stop_window(stops)
         end, reason, stop_by = len(tokens), "length", None
         for t, tok in enumerate(tokens):
             if tok in self.eos_ids and not ignore_eos:
                 end, reason, stop_by = t + 1, "stop", "eos"
                 break
-            if stops and _tail_has_stop(self.tokenizer, tokens[max(0, t + 1 - window) : t + 1], stops):
+            if stops and tail_has_stop(self.tokenizer, tokens[max(0, t + 1 - window) : t + 1], stops):
                 end, reason, stop_by = t + 1, "stop", "stop_string"
                 break
         resp = tokens[:end]

@@ -2,8 +2,9 @@
 
 transformers' `generate` checks its stopping criteria on the host after every token, and with
 `output_logits=True` keeps every step's [rows, vocab] float32 logits until the end (40 GB for 512 rows x 128
-tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's compiled decode step
-(transformers' `get_compiled_call`: CUDA graphs on a GPU) at one fixed shape per bucket, picks tokens on the
+tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's decode step
+(compiled by transformers' `get_compiled_call`, or recorded as a CUDA graph: `make_decode_step`) at one fixed shape
+per bucket, picks tokens on the
 device and keeps only the sampled token's log-prob. The host looks at the rows every `CHECK_EVERY` tokens, to
 stop once all of them have ended.
 
@@ -80,14 +81,41 @@ def sample_tokens(
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - log_normaliser
 
 
+def make_decode_step(model: Any, how: str, device: torch.device) -> Callable[..., Any]:
+    """The decode step a static cache runs: `inductor` compiles it (transformers' `get_compiled_call`: fused
+    kernels, in CUDA graphs on a GPU; on the CPU only where tests ask), `recorded` records its eager kernels as
+    a CUDA graph per shape (recorded_decode.py: no compile; a GPU only)."""
+    if how == "recorded":
+        if device.type != "cuda":
+            raise ValueError(
+                "rollout.decode_step=recorded records CUDA graphs: it needs the replica on a GPU"
+            )
+        from rlbus.rollout.engines.recorded_decode import RecordedDecodeStep
+
+        return RecordedDecodeStep(model)
+    if how != "inductor":
+        raise ValueError(f"unknown decode step {how!r}: inductor or recorded")
+    return model.get_compiled_call(decode_compile_config(device))
+
+
+def decode_compile_config(device: torch.device) -> CompileConfig:
+    """transformers' default (CUDA graphs on a GPU) with a static graph per batch shape (sizes as symbols
+    compiled 3.2x as long and decoded 10% slower on an H100); on the CPU it compiles only when asked to
+    (tests)."""
+    config = CompileConfig(dynamic=False)
+    if device.type != "cuda":
+        setattr(config, "_compile_all_devices", True)  # noqa: B010 (transformers' private test switch)
+    return config
+
+
 class StaticDecoder:
     """Decodes left-padded prompts on a `StaticCache` of `cache_len` positions, one compiled step per shape."""
 
     def __init__(
-        self, model: Any, compile_config: CompileConfig | None, compile_sampler: bool = False
+        self, model: Any, step: Callable[..., Any] | None = None, compile_sampler: bool = False
     ) -> None:
         self.model = model
-        self.step = model.get_compiled_call(compile_config) if compile_config is not None else model
+        self.step = model if step is None else step  # compiled or recorded (`make_decode_step`), or eager
         # beside the compiled step, for the same shapes (warm_up compiles both); tensors for T, the noise and
         # the bans, so greedy and sampled batches and either end-token rule share one graph per shape
         self.sample = (
