@@ -17,9 +17,10 @@
 #     again and uses the curves only if the weights come out the same (add --deterministic to both calls'
 #     LEARNING_ARGS for that: deterministic kernels, 1.8x slower pretraining), else it stops and says so.
 #   bash scripts/gpu_acceptance.sh 5   # async_level=1 time-sliced against under MPS (run.gpu_sharing), in turn, 3 pairs
-#   bash scripts/gpu_acceptance.sh 6   # a decode pass at the learning bench's shape, profiled; then the learning
-#                                      # bench's async_level=1, time-sliced and under MPS, on one model (its 75M
-#                                      # decode leaves most SMs idle, where MPS may overlap the update)
+#   bash scripts/gpu_acceptance.sh 6   # a decode pass at the learning bench's shape, compiled and recorded
+#                                      # (rollout.decode_step), profiled; then the learning bench's async_level=1
+#                                      # in each of LEARNING_VARIANTS (default: time-sliced, then under MPS: its
+#                                      # 75M decode leaves most SMs idle, where MPS may overlap the update)
 #   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
 #                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
@@ -86,17 +87,25 @@ case $part in
   done
   ;;
 6)
-  # first, where a decode pass at the learning bench's shape spends its time alone (512 rows x 148 tokens,
-  # profiled): beside the update it is the larger share of a step
-  timeout 100 "$py" bench/rollout.py --random-model 768:12:2048 --ignore-eos --engines hf --prompts 64 --n 8 \
-    --max-tokens 148 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 --pushes 0 --profile 2>&1 \
-    | grep -v "Loading weights" | tee "$results/rollout-learning-shape.log" | tail -40
+  # first, where a decode pass at the learning bench's shape spends its time alone (512 rows x 148 tokens),
+  # compiled and recorded (rollout.decode_step), each in a process of its own, the recorded one profiled: beside
+  # the update it is the larger share of a step
+  for engine in hf-recorded hf; do
+    timeout 110 "$py" bench/rollout.py --random-model 768:12:2048 --ignore-eos --engines $engine --prompts 64 --n 8 \
+      --max-tokens 148 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 --pushes 0 \
+      $([ $engine = hf-recorded ] && echo --profile) 2>&1 | grep -v "Loading weights" \
+      | tee "$results/rollout-learning-shape-$engine.log" | grep -E "^hf|profiled batch|compiled in|recorded in"
+  done
+  # then the learning bench's async_level=1 in each variant (space-separated; a variant's overrides joined by
+  # commas), on one model
   work=${LEARNING_WORK:-/tmp/rlbus-learning}
-  for sharing in time_slice mps; do
-    echo "== learning bench, run.gpu_sharing=$sharing"
+  for variant in ${LEARNING_VARIANTS:-run.gpu_sharing=time_slice run.gpu_sharing=mps}; do
+    echo "== learning bench, $variant"
+    overrides=()
+    for o in ${variant//,/ }; do overrides+=(--rlbus-override "$o"); done
     timeout 290 "$py" bench/learning.py --work "$work" --budget-s 100 --pretrain-s 120 --async-levels 1 --no-trl \
-      --micro-batch 512 --rlbus-override "run.gpu_sharing=$sharing" 2>&1 | grep -v "Loading weights" \
-      | tee "$results/learning-$sharing.log" | grep -E "^pretrained|^rlbus async_level=1: [0-9]|by updates"
+      --micro-batch 512 "${overrides[@]}" 2>&1 | grep -v "Loading weights" \
+      | tee "$results/learning-${variant//[=,]/-}.log" | grep -E "^pretrained|^rlbus async_level=1.*: [0-9]|by updates"
   done
   ;;
 *)
