@@ -88,7 +88,8 @@ class RecordedDecodeStep:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a weight push the replica receives on another thread meanwhile does not void the recording
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
         graph.replay()  # recording does not run the kernels: this is the call's step
         return RecordedStep(graph, static, logits)
