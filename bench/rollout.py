@@ -197,7 +197,8 @@ PLANNED = ("hf", "hf-recorded", "hf-unfused", "hf-sdpa-decode")  # engines whose
 def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:
     """`hf`: the replica's engine (decode shapes planned for these batches, compiled by warm_up before the
     clock starts; q/k/v and gate/up fused); `hf-recorded`: the same with its decode step's eager kernels
-    recorded as CUDA graphs instead of compiled (rollout.decode_step=recorded); `hf-unfused`: the same without the fused projections;
+    recorded as CUDA graphs instead of compiled (rollout.decode_step=recorded); `hf-unfused`: the same without
+    the fused projections;
     `hf-sdpa-decode`: `hf` with SDPA's kernels in the decode step instead of its matrix products
     (rlbus.gqa_attention); `hf-unplanned`: compiled decode through `generate` with shapes bucketed on the fly,
     unfused (the engine before shape planning); `hf-eager`: no compiled decode (rollout.enforce_eager=true)."""

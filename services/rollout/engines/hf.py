@@ -33,6 +33,7 @@ from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEng
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
 from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
 from rlbus.rollout.engines.static_decode import (
+    DecodeStepKind,
     StaticDecoder,
     decode_compile_config,
     make_decode_step,
@@ -71,7 +72,7 @@ class HFEngine(RolloutEngine):
         static_decode: bool | None = None,
         fuse_projections: bool = True,
         compile_sampler: bool | None = None,
-        decode_step: str = "inductor",
+        decode_step: DecodeStepKind = "inductor",
     ) -> None:
         self.model_path = Path(model_path)
         self.device = pick_device(device)
@@ -82,8 +83,9 @@ class HFEngine(RolloutEngine):
             # not in the learner).
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization, self.device)
         # transformers' static KV cache with a CUDA-graph decode step, compiled or recorded (`decode_step`):
-        # 4-5x the tokens/s of the dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its row buckets on that
-        # bucket's own static cache, compiled by `warm_up`; without, rows and widths are bucketed on the fly.
+        # 4-5x the tokens/s of the dynamic cache on a GPU. With `decode_shapes`, every batch runs at one of its
+        # row buckets on that bucket's own static cache, compiled by `warm_up`; without, rows and widths are
+        # bucketed on the fly.
         # `static_decode` (default: with the compiled decode) runs a planned shape through our own loop
         # (static_decode.py) instead of `generate`.
         self._static_caches: dict[int, StaticCache] = {}
@@ -206,7 +208,9 @@ class HFEngine(RolloutEngine):
         if shapes is None:
             return
         buckets = sorted(shapes.row_buckets, reverse=True)
-        verb = "recording" if self.decode_step == "recorded" else "compiling"
+        verb, done = (
+            ("recording", "recorded") if self.decode_step == "recorded" else ("compiling", "compiled")
+        )
         say(f"{verb} the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
             f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
         # five tokens: the prefill's, then decode steps that compile, warm up and record the CUDA graph
@@ -215,9 +219,7 @@ class HFEngine(RolloutEngine):
             t0 = time.monotonic()
             with self._lock:
                 self._generate_rows([[self.pad_id]] * rows, warm, seed=0)
-            say(
-                f"[{i}/{len(buckets)}] decode step for {rows} rows {verb[:-3]}ed in {time.monotonic() - t0:.1f} s"
-            )
+            say(f"[{i}/{len(buckets)}] decode step for {rows} rows {done} in {time.monotonic() - t0:.1f} s")
 
     def _generation_config(self, sp: SamplingParams, static_cache: bool = False) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).

@@ -5,9 +5,11 @@ compiles every row bucket anew at start: 14.1 s for the learning bench's 75M mod
 H100 (2026-12-06), and a newcomer's first step waits for it. Recording the eager step as a CUDA graph
 (`rollout.decode_step=recorded`) takes two warm-up passes and one recorded pass, and replaying it removes the
 host's kernel launches; what it keeps is the eager kernels' count and memory traffic, which inductor fuses: on
-an H100 (2026-12-07) at 75M and 512 rows it was ready in 4.9 s against 15.7 s, and decoded 1.65x slower. transformers builds its masks without host syncs while a stream records
-(`is_tracing`), and the static cache, the weights (`load_weights` copies in place) and the bucket's buffers
-keep their addresses, so one recording serves the whole run.
+an H100 (2026-12-07) at 75M and 512 rows it was ready in 4.9 s against 15.7 s, and decoded 1.65x slower.
+
+transformers builds its masks without host syncs while a stream records (`is_tracing`), and the static cache,
+the weights (`load_weights` copies in place) and the bucket's buffers keep their addresses, so one recording
+serves the whole run.
 """
 
 from __future__ import annotations
@@ -40,10 +42,6 @@ class RecordedDecodeStep:
         self.model = model
         self._steps: dict[tuple[int, int], RecordedStep] = {}
         self._pool: Any = None  # one memory pool for every shape's graph
-
-    @property
-    def recorded_shapes(self) -> int:
-        return len(self._steps)
 
     def __call__(
         self,
@@ -88,7 +86,7 @@ class RecordedDecodeStep:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a weight push the replica receives on another thread meanwhile does not void the recording
+        # thread_local: a weight push received on another thread meanwhile does not void the recording
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
         graph.replay()  # recording does not run the kernels: this is the call's step

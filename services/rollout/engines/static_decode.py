@@ -2,11 +2,10 @@
 
 transformers' `generate` checks its stopping criteria on the host after every token, and with
 `output_logits=True` keeps every step's [rows, vocab] float32 logits until the end (40 GB for 512 rows x 128
-tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's decode step
-(compiled by transformers' `get_compiled_call`, or recorded as a CUDA graph: `make_decode_step`) at one fixed shape
-per bucket, picks tokens on the
-device and keeps only the sampled token's log-prob. The host looks at the rows every `CHECK_EVERY` tokens, to
-stop once all of them have ended.
+tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's decode step (compiled by
+transformers' `get_compiled_call`, or recorded as a CUDA graph: `make_decode_step`) at one fixed shape per
+bucket, picks tokens on the device and keeps only the sampled token's log-prob. The host looks at the rows
+every `CHECK_EVERY` tokens, to stop once all of them have ended.
 
 Log-probs follow the engine's convention (module doc of `hf.py`): log_softmax(raw logits / T) at the
 sampled token, in float32; top-k/top-p only narrow what is sampled.
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -81,7 +80,10 @@ def sample_tokens(
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - log_normaliser
 
 
-def make_decode_step(model: Any, how: str, device: torch.device) -> Callable[..., Any]:
+DecodeStepKind = Literal["inductor", "recorded"]  # rollout.decode_step
+
+
+def make_decode_step(model: Any, how: DecodeStepKind, device: torch.device) -> Callable[..., Any]:
     """The decode step a static cache runs: `inductor` compiles it (transformers' `get_compiled_call`: fused
     kernels, in CUDA graphs on a GPU; on the CPU only where tests ask), `recorded` records its eager kernels as
     a CUDA graph per shape (recorded_decode.py: no compile; a GPU only)."""
@@ -109,7 +111,8 @@ def decode_compile_config(device: torch.device) -> CompileConfig:
 
 
 class StaticDecoder:
-    """Decodes left-padded prompts on a `StaticCache` of `cache_len` positions, one compiled step per shape."""
+    """Decodes left-padded prompts on a `StaticCache` of `cache_len` positions, one compiled (or recorded) step
+    per shape."""
 
     def __init__(
         self, model: Any, step: Callable[..., Any] | None = None, compile_sampler: bool = False
