@@ -264,9 +264,10 @@ def run_rlbus(
         f"actor_rollout_ref.model.use_remove_padding={str(args.remove_padding).lower()}",
         *args.rlbus_override,
     ]  # fmt: skip
-    print(f"rlbus async_level={level}: rlbus up {' '.join(overrides)}", flush=True)
     log = work / f"{run_id}.log"
-    launched = time.time()
+    launched = time.time()  # the clock's zero, in UTC beside the command: the services' logs line up with it
+    stamp = time.strftime("%H:%M:%S", time.gmtime(launched)) + f".{int(launched % 1 * 1000):03d}"
+    print(f"rlbus async_level={level}, launched {stamp} UTC: rlbus up {' '.join(overrides)}", flush=True)
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "rlbus.cli", "up", *overrides], cwd=work, stdout=out,
                                 stderr=subprocess.STDOUT, env=cold_compile_env(work, run_id))  # fmt: skip
