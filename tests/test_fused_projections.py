@@ -83,3 +83,36 @@ def test_a_follower_called_on_its_own_computes_its_own_product(model_dir: Path) 
         assert torch.allclose(attn.k_proj(other), own_k, atol=1e-6)  # other's product, not x's
         own_v = x @ attn.v_proj.weight.T + attn.v_proj.bias
         assert torch.allclose(attn.v_proj(x), own_v, atol=1e-6)  # its own part of x's, not k's
+
+
+def test_forwards_on_two_threads_each_get_their_own_products(model_dir: Path) -> None:
+    """A compile beside the decode (recorded_then_compiled.py) runs the model on its own thread while the batches
+    run it on theirs: each thread's k and v are its own input's, however their calls interleave."""
+    import sys
+    import threading
+
+    fused = load(model_dir)
+    fuse_projections(fused)
+    attn = fused.model.layers[0].self_attn
+    wrong: list[int] = []
+
+    def project(rows: int) -> None:
+        x = torch.randn(rows, 128)
+        want = [x @ m.weight.T + m.bias for m in (attn.k_proj, attn.v_proj)]
+        with torch.no_grad():
+            for _ in range(2000):
+                attn.q_proj(x)
+                got = [attn.k_proj(x), attn.v_proj(x)]
+                wrong.extend(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.shape != w.shape)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=project, args=(rows,)) for rows in (3, 5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong

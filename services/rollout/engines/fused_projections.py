@@ -21,11 +21,12 @@ from torch.nn import functional as F  # noqa: N812
 
 
 class _Handoff:
-    """The products q_proj (gate_proj) computed for the projections called next."""
+    """The last input q_proj (gate_proj) saw and the products it computed for the projections called next,
+    as one tuple: a forward on another thread meanwhile (a compile beside the decode, recorded_then_compiled.py)
+    replaces it whole, so a follower reads its own input's products or none, never another's."""
 
     def __init__(self) -> None:
-        self.pending: dict[int, torch.Tensor] = {}  # a follower's position in the group -> its product
-        self.input: torch.Tensor | None = None
+        self.last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
 
 class _Member(nn.Linear):
@@ -45,7 +46,7 @@ class _Lead(_Member):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.fused_weight, self.fused_bias)
         mine, *rest = out.split(self.split_sizes, dim=-1)
-        self.handoff.pending, self.handoff.input = dict(enumerate(rest, start=1)), x
+        self.handoff.last = (x, tuple(rest))
         return mine
 
 
@@ -54,12 +55,13 @@ class _Follower(_Member):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         handoff = self.handoff
-        if handoff.input is x and self.position in handoff.pending:
-            out = handoff.pending.pop(self.position)
-            if not handoff.pending:
-                handoff.input = None
-            return out
-        return F.linear(x, self.weight, self.bias)
+        last = handoff.last
+        if last is None or last[0] is not x:
+            return F.linear(x, self.weight, self.bias)
+        products = last[1]
+        if self.position == len(products) and handoff.last is last:  # the group's last: free the products
+            handoff.last = None
+        return products[self.position - 1]
 
 
 def _fuse(linears: list[nn.Linear]) -> None:
