@@ -314,7 +314,7 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
             if cache is not None and not stops and self.static_decode:  # no host sync per token
-                if self._beside is not None and self._beside.settle():
+                if self._beside is not None and self._beside.settle(seed):
                     log.info("decoding with the compiled step from this batch on", rows=rows)
                 cache_len = cast(DecodeShapes, self.decode_shapes).cache_len
                 done = self._decoder.run(ids, mask, cache, cache_len, sp, self.eos_ids, self.pad_id)

@@ -42,7 +42,11 @@ class RecordedThenCompiled:
         # inductor's kernels without its CUDA graphs: we record them (on the CPU, where tests run it, called)
         self._compiled = torch.compile(model.__call__, dynamic=False)
         self._step: Callable[..., Any] = self._recorded(model) if self._on_gpu else model
-        self._sample: Sampler = sample_tokens
+        self._sample: Sampler = self._sample_aside
+        # the compile puts the device's default generator back where it found it (dynamo and inductor keep
+        # the RNG state across a compile), which would repeat a batch's draws: until the switch the batches
+        # draw from a generator of their own, seeded as each batch is (`settle`)
+        self._generator = torch.Generator(device)
         self._done = threading.Event()
         self._failed: str | None = None
         self._switched = False
@@ -55,6 +59,11 @@ class RecordedThenCompiled:
         self, logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor, bias: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._sample(logits, inv_temperature, noise, bias)
+
+    def _sample_aside(
+        self, logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor, bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(logits, inv_temperature, noise, bias, self._generator)
 
     def _recorded(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         from rlbus.rollout.engines.recorded_decode import RecordedDecodeStep
@@ -82,10 +91,11 @@ class RecordedThenCompiled:
         """Whether the batches decode with the compiled step now."""
         return self._switched
 
-    def settle(self) -> bool:
-        """Between batches: once the compile is done, decode with its kernels from this batch on. True when
-        this call switched."""
+    def settle(self, seed: int) -> bool:
+        """Before a batch of `seed`: once the compile is done, decode with its kernels from this batch on (True
+        when this call switched); until then its draws come from our generator, seeded with `seed`."""
         if self._switched or not self._done.is_set() or self._failed is not None:
+            self._generator.manual_seed(seed)
             return False
         self._step = self._recorded(self._compiled) if self._on_gpu else self._compiled
         if self._compiled_sample is not None:

@@ -69,7 +69,11 @@ def pick_tokens(logits: torch.Tensor, sp: SamplingParams, banned: torch.Tensor |
 
 
 def sample_tokens(
-    logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor, bias: torch.Tensor
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    noise: torch.Tensor,
+    bias: torch.Tensor,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their log-probs from one step's logits [rows, vocab], without top-k/top-p: the token is
     the argmax of logits / T + `bias` + Gumbel noise x `noise` (Gumbel-max: a draw from the softmax, the
@@ -79,7 +83,8 @@ def sample_tokens(
     read [rows, vocab] float32 copies about ten times a token (a 152k vocabulary at 512 rows: 311 MB each)."""
     scaled = logits.float() * inv_temperature
     log_normaliser = torch.logsumexp(scaled, dim=-1)
-    exponential = torch.empty_like(scaled).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    exponential = torch.empty_like(scaled).exponential_(generator=generator)
+    exponential = exponential.clamp_min_(torch.finfo(torch.float32).tiny)
     token = (scaled + bias - exponential.log() * noise).argmax(-1)
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - log_normaliser
 
