@@ -86,8 +86,8 @@ def test_a_follower_called_on_its_own_computes_its_own_product(model_dir: Path) 
 
 
 def test_forwards_on_two_threads_each_get_their_own_products(model_dir: Path) -> None:
-    """A compile beside the decode (recorded_then_compiled.py) runs the model on its own thread while the batches
-    run it on theirs: each thread's k and v are its own input's, however their calls interleave."""
+    """A model run on two threads at once (a compile of the decode step beside the batches would be one): each
+    thread's k and v are its own input's, however their calls interleave."""
     import sys
     import threading
 

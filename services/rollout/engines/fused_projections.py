@@ -22,7 +22,7 @@ from torch.nn import functional as F  # noqa: N812
 
 class _Handoff:
     """The last input q_proj (gate_proj) saw and the products it computed for the projections called next,
-    as one tuple: a forward on another thread meanwhile (a compile beside the decode, recorded_then_compiled.py)
+    as one tuple: a forward on another thread meanwhile (a compile of the decode step beside the batches, say)
     replaces it whole, so a follower reads its own input's products or none, never another's."""
 
     def __init__(self) -> None:
