@@ -41,9 +41,9 @@ async def _ready_stream_leader(cfg: RlbusConfig) -> str:
         return str(info.cluster.leader)
 
 
-def _run_with_a_server_down(tmp_path: Path, run_id: str, victim: str) -> tuple[list[float], dict, str]:
-    """(times new steps appeared, ledger, what was killed) of a run whose cluster loses a server at step
-    KILL_AT and gets it back at RESTART_AT."""
+def _run_with_a_server_down(tmp_path: Path, run_id: str, victim: str) -> tuple[list[float], dict, str, str]:
+    """(times new steps appeared, ledger, what was killed, the services' warnings and errors) of a run whose
+    cluster loses a server at step KILL_AT and gets it back at RESTART_AT."""
     with LocalNatsCluster(tmp_path / "nats", 3) as cluster:
         cfg = make_config(
             cluster.url,
@@ -75,13 +75,19 @@ def _run_with_a_server_down(tmp_path: Path, run_id: str, victim: str) -> tuple[l
                 # the observer's sampling interval (steps take ~0.2 s), not a wait for the run
                 time.sleep(0.2)
             assert run.wait_learner(60) == 0, run.logs("learner")
-            return seen, run.ledger(), killed
+            complaints = "\n".join(  # what a stall's message shows: where the services waited
+                f"{p.name}: {line}"
+                for p in run.procs
+                for line in run.logs(p.name, tail=100_000).splitlines()
+                if "[warning" in line or "[error" in line
+            )
+            return seen, run.ledger(), killed, complaints
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("victim", ["n1", "leader"])
 def test_a_run_survives_a_nats_server_death(tmp_path: Path, run_id: str, victim: str) -> None:
-    seen, ledger, killed = _run_with_a_server_down(tmp_path, run_id, victim)
+    seen, ledger, killed, complaints = _run_with_a_server_down(tmp_path, run_id, victim)
     assert killed, "the run ended before the kill"
     assert check_run.ledger_problems(ledger, STEPS) == []
     gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
@@ -91,4 +97,4 @@ def test_a_run_survives_a_nats_server_death(tmp_path: Path, run_id: str, victim:
         f"\ncluster, {killed} SIGKILLed at step {KILL_AT}, back at {RESTART_AT}: longest stall {longest:.1f} s; "
         f"steps over 2 s: {slow}"
     )
-    assert longest <= MAX_STALL_S, f"{longest:.1f} s without a step"
+    assert longest <= MAX_STALL_S, f"{longest:.1f} s without a step; the services said:\n{complaints}"
