@@ -14,6 +14,7 @@ serves the whole run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -36,10 +37,12 @@ class RecordedStep:
 class RecordedDecodeStep:
     """Callable like the model's decode step (the keywords `StaticDecoder` passes), replaying one CUDA graph
     per (static cache, rows): the first call at a shape records it, later calls copy their inputs into its
-    buffers and replay. Its logits are overwritten by the next call, so they are read before it."""
+    buffers and replay. Its logits are overwritten by the next call, so they are read before it. It records
+    `forward` (the model's own call by default; inductor's compiled one, without inductor's CUDA graphs, for
+    `recorded_then_compiled`)."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    def __init__(self, model: Any, forward: Callable[..., Any] | None = None) -> None:
+        self.forward = model if forward is None else forward
         self._steps: dict[tuple[int, int], RecordedStep] = {}
         self._pool: Any = None  # one memory pool for every shape's graph
 
@@ -75,7 +78,7 @@ class RecordedDecodeStep:
         static = {name: value.clone() for name, value in inputs.items()}
 
         def forward() -> torch.Tensor:
-            return self.model(**static, past_key_values=cache, use_cache=True).logits
+            return self.forward(**static, past_key_values=cache, use_cache=True).logits
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
