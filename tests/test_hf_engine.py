@@ -405,3 +405,31 @@ def test_recorded_then_inductor_decodes_at_once_then_switches_to_the_graph_compi
     )
     for comp, want_lp in zip(comps, recomputed, strict=True):
         np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)
+
+
+def test_a_static_cache_writes_at_counters_of_its_own_that_a_recording_puts_back(tiny: Path) -> None:
+    """transformers 5's static layers write at a device counter each update advances, not at the
+    `cache_position` passed in: the recorded step's warm-up passes must put those counters back
+    (`write_positions`), or a recording batch's keys land past its mask and past the cache's end."""
+    import transformers
+    from transformers import StaticCache
+
+    from rlbus.rollout.engines.recorded_decode import write_positions
+
+    engine = HFEngine(tiny, device="cpu", compiled_decode=False)
+    cache = StaticCache(config=engine.model.config, max_cache_len=16)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        engine.model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(3), use_cache=True)
+        counters = write_positions(cache)
+        if int(transformers.__version__.split(".")[0]) < 5:
+            assert counters == []  # 4.x writes at cache_position: nothing to put back
+            return
+        assert [int(c) for c in counters] == [3] * engine.model.config.num_hidden_layers
+        engine.model(  # a step told to write at position 3 twice still advances the counters twice
+            input_ids=ids[:, :1], past_key_values=cache, cache_position=torch.tensor([3]), use_cache=True
+        )
+        engine.model(
+            input_ids=ids[:, :1], past_key_values=cache, cache_position=torch.tensor([3]), use_cache=True
+        )
+    assert [int(c) for c in counters] == [5] * engine.model.config.num_hidden_layers

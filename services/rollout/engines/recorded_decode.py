@@ -25,6 +25,15 @@ from transformers import StaticCache
 WARM_UP_PASSES = 2  # eager passes on a side stream before recording: cuBLAS handles and workspaces made
 
 
+def write_positions(cache: StaticCache) -> list[torch.Tensor]:
+    """The cache's own write positions, where it has them: transformers 5's static layers write at a device
+    counter (`cumulative_length`) that each update advances in place, not at the `cache_position` passed in
+    (4.x), so a pass that is not the batch's step must put it back, or the batch's keys land past its mask and,
+    near the cache's end, past its length (a device-side assert, H100, 2026-12-07)."""
+    layers = getattr(cache, "layers", [])
+    return [c for layer in layers if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+
 @dataclass
 class RecordedStep:
     """One shape's graph and the buffers it reads and writes: inputs are copied in, logits read out."""
@@ -74,8 +83,11 @@ class RecordedDecodeStep:
 
     def _record(self, inputs: dict[str, torch.Tensor], cache: StaticCache) -> RecordedStep:
         """Warm-up passes, then the recorded one, all on these inputs: each writes this position's keys and
-        values into the cache, the same ones the step itself would write, so recording is this call's step."""
+        values into the cache, the same ones the step itself would write (the cache's write positions put back
+        after each warm-up pass), so recording is this call's step."""
         static = {name: value.clone() for name, value in inputs.items()}
+        counters = write_positions(cache)
+        before = [counter.clone() for counter in counters]
 
         def forward() -> torch.Tensor:
             return self.forward(**static, past_key_values=cache, use_cache=True).logits
@@ -85,6 +97,8 @@ class RecordedDecodeStep:
         with torch.cuda.stream(side):
             for _ in range(WARM_UP_PASSES):
                 forward()
+                for counter, value in zip(counters, before, strict=True):  # a warm-up pass writes nowhere new
+                    counter.copy_(value)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
