@@ -64,6 +64,17 @@ def test_a_newer_push_supersedes_and_the_skip_is_logged() -> None:
     assert asyncio.run(replica._superseded((1, 4)))
     assert ("info", "weight announcement superseded: skipped") in replica.ctx.log.lines
     assert not asyncio.run(replica._superseded((1, 5)))
+    assert asyncio.run(replica._superseded((0, 9)))  # a later epoch (a re-formed group) is newer too
+
+
+def test_an_older_announcement_read_back_is_a_stale_read_and_the_replica_joins() -> None:
+    """After a NATS failover a read can be served by a server still catching up: the announcement it returns
+    is older than the one the watch delivered, and skipping on it left the learner's broadcast waiting out its
+    whole timeout (a 30 s stall in test_bus_cluster)."""
+    replica = _replica(_State(_announcement(2, 51)))
+    assert not asyncio.run(replica._superseded((2, 52)))
+    assert not asyncio.run(replica._superseded((3, 1)))
+    assert replica.ctx.log.lines == []
 
 
 def test_a_read_that_does_not_answer_is_given_up_and_the_replica_joins(monkeypatch) -> None:

@@ -145,7 +145,11 @@ class Replica:
         except Exception as exc:  # noqa: BLE001 - cannot tell: take part in this one
             self.ctx.log.warning("cannot read the current weight announcement", error=repr(exc))
             return False
-        if latest is not None and (latest.epoch, latest.version) != key:
+        # newer only: a read served by a server still catching up after a NATS failover can return the
+        # announcement before this one, and skipping on it left the learner's broadcast waiting out its 30 s
+        # (test_bus_cluster, 2026-12-07). Epochs and versions only grow, across learner attempts too (a resumed
+        # learner's epochs start past the crashed attempt's)
+        if latest is not None and (latest.epoch, latest.version) > key:
             self.ctx.log.info("weight announcement superseded: skipped", skipped=key,
                               current=(latest.epoch, latest.version))  # fmt: skip
             return True
