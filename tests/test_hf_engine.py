@@ -355,58 +355,6 @@ def test_recorded_decode_step_needs_a_gpu_and_a_known_name(tiny: Path) -> None:
     assert HFEngine(tiny, device="cpu", decode_step="recorded").compiled_decode is False  # eager on the CPU
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_recorded_then_inductor_decodes_at_once_then_switches_to_the_graph_compiled_beside(
-    tiny: Path,
-) -> None:
-    """rollout.decode_step=recorded_then_inductor: warm_up compiles nothing before the replica is ready (on the
-    CPU the step before the switch is the eager one; on a GPU the recorded one), the compile runs on a thread of
-    its own, and the batches after it decode with its graphs (dynamo compiles none in a batch), greedy as the
-    eager engine and sampled with the log-probs the learner recomputes."""
-    from torch._dynamo.utils import counters
-
-    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
-
-    torch._dynamo.reset()
-    beside = HFEngine(
-        tiny,
-        device="cpu",
-        max_batch_rows=16,
-        compiled_decode=True,
-        decode_shapes=plan_decode_shapes(16, 24, 8),
-        compile_sampler=True,
-        decode_step="recorded_then_inductor",
-    )
-    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
-    tok = beside.tokenizer
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    batch = [GenerationRequest(tok.encode(p, add_special_tokens=False), 8, greedy) for p in ("12+3=", "7=")]
-    said: list[tuple[str, int, str]] = []  # each line, with the graphs compiled and the step in use by then
-    before = counters["stats"]["unique_graphs"]
-    beside.warm_up(lambda text: said.append((text, counters["stats"]["unique_graphs"], beside.decoding_with)))
-    assert said[1][0].startswith("[1/1] decode step for 16 rows recorded in")
-    # said just before the compile's thread starts: warm_up compiled nothing, the batches decode recorded
-    assert "beside" in said[2][0] and said[2][1:] == (before, "recorded")
-    assert beside.decode_compile_done(timeout_s=500)
-    assert said[-1][0].startswith("decode step for 16 rows compiled in"), said[-1]
-    compiled = counters["stats"]["unique_graphs"]
-    assert compiled - before == 2  # the step and the sampler, on the compile's thread
-    got, want = beside.generate(batch), eager.generate(batch)
-    assert beside.decoding_with == "inductor"
-    assert [[c.response_ids for c in r] for r in got] == [[c.response_ids for c in r] for r in want]
-    prompt = tok.encode("12+3=", add_special_tokens=False)
-    sampled = beside.generate([GenerationRequest(prompt, 8, SamplingParams(temperature=0.7, max_tokens=8))])
-    assert counters["stats"]["unique_graphs"] == compiled, "a batch after the switch compiled a new graph"
-    comps = sampled[0]
-    assert len({tuple(c.response_ids) for c in comps}) > 1
-    recomputed = response_logprobs(
-        eager.model, [prompt] * len(comps), [c.response_ids for c in comps], eager.pad_id, 0.7
-    )
-    for comp, want_lp in zip(comps, recomputed, strict=True):
-        np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)
-
-
 def test_a_static_cache_writes_at_counters_of_its_own_that_a_recording_puts_back(tiny: Path) -> None:
     """transformers 5's static layers write at a device counter each update advances, not at the
     `cache_position` passed in: the recorded step's warm-up passes must put those counters back

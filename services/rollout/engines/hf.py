@@ -31,10 +31,14 @@ from rlbus.modeling import (
 )
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
-from rlbus.rollout.engines.decode_steps import DecodeStepKind, decode_compile_config, make_decode_step
 from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
-from rlbus.rollout.engines.recorded_then_compiled import RecordedThenCompiled
-from rlbus.rollout.engines.static_decode import StaticDecoder, compiled_sampler, sampler_compile_pays
+from rlbus.rollout.engines.static_decode import (
+    DecodeStepKind,
+    StaticDecoder,
+    decode_compile_config,
+    make_decode_step,
+    sampler_compile_pays,
+)
 from rlbus.rollout.engines.stop_strings import StopOnStrings, stop_window, tail_has_stop
 
 if TYPE_CHECKING:
@@ -120,12 +124,8 @@ class HFEngine(RolloutEngine):
         vocab = int(self.model.get_output_embeddings().weight.shape[0])  # the sampler is compiled if it pays
         sampler = sampler_compile_pays(vocab) if compile_sampler is None else compile_sampler
         self.decode_step = decode_step
-        sample = compiled_sampler() if self.compiled_decode and sampler else None
-        step = (
-            make_decode_step(self.model, decode_step, self.device, sample) if self.compiled_decode else None
-        )
-        self._beside = step if isinstance(step, RecordedThenCompiled) else None  # recorded until compiled
-        self._decoder = StaticDecoder(self.model, step, self._beside.sample if self._beside else sample)
+        step = make_decode_step(self.model, decode_step, self.device) if self.compiled_decode else None
+        self._decoder = StaticDecoder(self.model, step, compile_sampler=self.compiled_decode and sampler)
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0
@@ -209,9 +209,7 @@ class HFEngine(RolloutEngine):
             return
         buckets = sorted(shapes.row_buckets, reverse=True)
         verb, done = (
-            ("recording", "recorded")
-            if self.decode_step.startswith("recorded")
-            else ("compiling", "compiled")
+            ("recording", "recorded") if self.decode_step == "recorded" else ("compiling", "compiled")
         )
         say(f"{verb} the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
             f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
@@ -222,21 +220,6 @@ class HFEngine(RolloutEngine):
             with self._lock:
                 self._generate_rows([[self.pad_id]] * rows, warm, seed=0)
             say(f"[{i}/{len(buckets)}] decode step for {rows} rows {done} in {time.monotonic() - t0:.1f} s")
-        if self._beside is not None:
-            say("compiling the decode step beside the recorded one: batches decode recorded until it is done")
-            self._beside.start(buckets, shapes.cache_len, self._lock, say)
-
-    def decode_compile_done(self, timeout_s: float) -> bool:
-        """Whether a compile beside the recorded decode (recorded_then_inductor) has ended within `timeout_s`;
-        True at once when none runs."""
-        return self._beside is None or self._beside.wait_compiled(timeout_s)
-
-    @property
-    def decoding_with(self) -> str:
-        """What the batches decode with now: eager, inductor or recorded."""
-        if self._beside is not None:
-            return "inductor" if self._beside.switched else "recorded"
-        return self.decode_step if self.compiled_decode else "eager"
 
     def _generation_config(self, sp: SamplingParams, static_cache: bool = False) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
@@ -314,8 +297,6 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
             if cache is not None and not stops and self.static_decode:  # no host sync per token
-                if self._beside is not None and self._beside.settle(seed):
-                    log.info("decoding with the compiled step from this batch on", rows=rows)
                 cache_len = cast(DecodeShapes, self.decode_shapes).cache_len
                 done = self._decoder.run(ids, mask, cache, cache_len, sp, self.eos_ids, self.pad_id)
                 return [

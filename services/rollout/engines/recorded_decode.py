@@ -14,7 +14,6 @@ serves the whole run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -46,12 +45,10 @@ class RecordedStep:
 class RecordedDecodeStep:
     """Callable like the model's decode step (the keywords `StaticDecoder` passes), replaying one CUDA graph
     per (static cache, rows): the first call at a shape records it, later calls copy their inputs into its
-    buffers and replay. Its logits are overwritten by the next call, so they are read before it. It records
-    `forward` (the model's own call by default; inductor's compiled one, without inductor's CUDA graphs, for
-    `recorded_then_compiled`)."""
+    buffers and replay. Its logits are overwritten by the next call, so they are read before it."""
 
-    def __init__(self, model: Any, forward: Callable[..., Any] | None = None) -> None:
-        self.forward = model if forward is None else forward
+    def __init__(self, model: Any) -> None:
+        self.model = model
         self._steps: dict[tuple[int, int], RecordedStep] = {}
         self._pool: Any = None  # one memory pool for every shape's graph
 
@@ -90,7 +87,7 @@ class RecordedDecodeStep:
         before = [counter.clone() for counter in counters]
 
         def forward() -> torch.Tensor:
-            return self.forward(**static, past_key_values=cache, use_cache=True).logits
+            return self.model(**static, past_key_values=cache, use_cache=True).logits
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -3,7 +3,7 @@
 transformers' `generate` checks its stopping criteria on the host after every token, and with
 `output_logits=True` keeps every step's [rows, vocab] float32 logits until the end (40 GB for 512 rows x 128
 tokens on a 152k vocabulary). This loop prefills eagerly, then runs the model's decode step (compiled by
-transformers' `get_compiled_call`, or recorded as a CUDA graph: decode_steps.py) at one fixed shape per
+transformers' `get_compiled_call`, or recorded as a CUDA graph: `make_decode_step`) at one fixed shape per
 bucket, picks tokens on the device and keeps only the sampled token's log-prob. The host looks at the rows
 every `CHECK_EVERY` tokens, to stop once all of them have ended.
 
@@ -15,20 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from transformers import StaticCache
+from transformers import CompileConfig, StaticCache
 
 from rlbus.messages import SamplingParams
 from rlbus.modeling import effective_temperature
 
 Picker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (tokens, log-probs)
-# logits, 1/T, noise, bias -> (tokens, log-probs): `sample_tokens`, eager or compiled
-Sampler = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
-]
 CHECK_EVERY = 16  # tokens between the host's looks at whether every row has ended (each look syncs)
 # From this vocabulary up the sampler is compiled: the eager path's [rows, vocab] float32 passes cost more
 # than a compile of a few seconds at start. Below it (toy and character tokenizers) they cost microseconds.
@@ -69,11 +65,7 @@ def pick_tokens(logits: torch.Tensor, sp: SamplingParams, banned: torch.Tensor |
 
 
 def sample_tokens(
-    logits: torch.Tensor,
-    inv_temperature: torch.Tensor,
-    noise: torch.Tensor,
-    bias: torch.Tensor,
-    generator: torch.Generator | None = None,
+    logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor, bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens and their log-probs from one step's logits [rows, vocab], without top-k/top-p: the token is
     the argmax of logits / T + `bias` + Gumbel noise x `noise` (Gumbel-max: a draw from the softmax, the
@@ -83,46 +75,39 @@ def sample_tokens(
     read [rows, vocab] float32 copies about ten times a token (a 152k vocabulary at 512 rows: 311 MB each)."""
     scaled = logits.float() * inv_temperature
     log_normaliser = torch.logsumexp(scaled, dim=-1)
-    exponential = torch.empty_like(scaled).exponential_(generator=generator)
-    exponential = exponential.clamp_min_(torch.finfo(torch.float32).tiny)
+    exponential = torch.empty_like(scaled).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
     token = (scaled + bias - exponential.log() * noise).argmax(-1)
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - log_normaliser
 
 
-def compiled_sampler() -> Sampler:
-    """`sample_tokens` compiled at one static graph per shape: tensors for T, the noise and the bans, so greedy
-    and sampled batches and either end-token rule share it."""
-    return cast(Sampler, torch.compile(sample_tokens, dynamic=False, fullgraph=True))
+DecodeStepKind = Literal["inductor", "recorded"]  # rollout.decode_step
 
 
-def sampler_settings(
-    temperature: float, ignore_eos: bool, eos: torch.Tensor, vocab: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sample_tokens`' 1/T, noise and bias for a batch (a compile beside the decode makes them the same way,
-    so its graph serves the batches)."""
-    inv_temperature = torch.tensor(1.0 / effective_temperature(temperature), device=device)
-    noise = torch.tensor(1.0 if temperature > 0 else 0.0, device=device)
-    bias = torch.zeros(vocab, device=device)
-    if ignore_eos:  # as generate's min_new_tokens: an end is never drawn
-        bias[eos] = float("-inf")
-    return inv_temperature, noise, bias
+def make_decode_step(model: Any, how: DecodeStepKind, device: torch.device) -> Callable[..., Any]:
+    """The decode step a static cache runs: `inductor` compiles it (transformers' `get_compiled_call`: fused
+    kernels, in CUDA graphs on a GPU; on the CPU only where tests ask), `recorded` records its eager kernels as
+    a CUDA graph per shape (recorded_decode.py: no compile; a GPU only)."""
+    if how == "recorded":
+        if device.type != "cuda":
+            raise ValueError(
+                "rollout.decode_step=recorded records CUDA graphs: it needs the replica on a GPU"
+            )
+        from rlbus.rollout.engines.recorded_decode import RecordedDecodeStep
+
+        return RecordedDecodeStep(model)
+    if how != "inductor":
+        raise ValueError(f"unknown decode step {how!r}: inductor or recorded")
+    return model.get_compiled_call(decode_compile_config(device))
 
 
-def step_inputs(
-    token: torch.Tensor,
-    full_mask: torch.Tensor,
-    next_position: torch.Tensor,
-    t: int,
-    cache_positions: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """The decode step's tensor keywords at step `t` (a compile beside the decode builds them the same way, so
-    its graph's guards hold for the batches)."""
-    return {
-        "input_ids": token[:, None],
-        "attention_mask": full_mask,
-        "position_ids": next_position + t,
-        "cache_position": cache_positions[t : t + 1],
-    }
+def decode_compile_config(device: torch.device) -> CompileConfig:
+    """transformers' default (CUDA graphs on a GPU) with a static graph per batch shape (sizes as symbols
+    compiled 3.2x as long and decoded 10% slower on an H100); on the CPU it compiles only when asked to
+    (tests)."""
+    config = CompileConfig(dynamic=False)
+    if device.type != "cuda":
+        setattr(config, "_compile_all_devices", True)  # noqa: B010 (transformers' private test switch)
+    return config
 
 
 class StaticDecoder:
@@ -130,12 +115,15 @@ class StaticDecoder:
     per shape."""
 
     def __init__(
-        self, model: Any, step: Callable[..., Any] | None = None, sample: Sampler | None = None
+        self, model: Any, step: Callable[..., Any] | None = None, compile_sampler: bool = False
     ) -> None:
         self.model = model
-        self.step = model if step is None else step  # compiled or recorded (decode_steps.py), or eager
-        # `compiled_sampler()` beside the compiled step, for the same shapes (warm_up compiles both), or eager
-        self.sample: Sampler = sample_tokens if sample is None else sample
+        self.step = model if step is None else step  # compiled or recorded (`make_decode_step`), or eager
+        # beside the compiled step, for the same shapes (warm_up compiles both); tensors for T, the noise and
+        # the bans, so greedy and sampled batches and either end-token rule share one graph per shape
+        self.sample = (
+            torch.compile(sample_tokens, dynamic=False, fullgraph=True) if compile_sampler else sample_tokens
+        )
 
     def _picker(self, sp: SamplingParams, eos: torch.Tensor, vocab: int, device: torch.device) -> Picker:
         """logits [rows, vocab] -> (tokens, log-probs): `sample` on the common path, `pick_tokens` and a
@@ -150,7 +138,11 @@ class StaticDecoder:
                 return token, (logits / temp).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
 
             return narrowed
-        inv_temperature, noise, bias = sampler_settings(sp.temperature, sp.ignore_eos, eos, vocab, device)
+        inv_temperature = torch.tensor(1.0 / temp, device=device)
+        noise = torch.tensor(1.0 if sp.temperature > 0 else 0.0, device=device)
+        bias = torch.zeros(vocab, device=device)
+        if sp.ignore_eos:  # as generate's min_new_tokens: an end is never drawn
+            bias[eos] = float("-inf")
         return lambda logits: self.sample(logits, inv_temperature, noise, bias)
 
     @torch.no_grad()
@@ -200,8 +192,11 @@ class StaticDecoder:
             full_mask[:, width + t] = 1
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
             out = self.step(
-                **step_inputs(token, full_mask, next_position, t, cache_positions),
+                input_ids=token[:, None],
+                attention_mask=full_mask,
+                position_ids=next_position + t,
                 past_key_values=cache,
+                cache_position=cache_positions[t : t + 1],
                 use_cache=True,
             )
             logits = out.logits[:, -1]
