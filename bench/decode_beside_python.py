@@ -76,7 +76,9 @@ def main() -> None:
         for interval in INTERVALS_S:
             sys.setswitchinterval(interval)
             ms = ms_per_batch()
-            print(f"beside a Python thread, {interval * 1000:5g} ms: {ms:8.1f} ms a batch ({ms / alone:.1f}x alone)")
+            print(
+                f"beside a Python thread, {interval * 1000:5g} ms: {ms:8.1f} ms a batch ({ms / alone:.1f}x alone)"
+            )
     finally:
         stop.set()
         thread.join()
