@@ -3,7 +3,7 @@ configs (those needing a GPU extra are skipped with the reason, not a crash), `b
 embedded engine's five decode paths, `bench/checkpoint.py --tiny` with the memory checkpoint alone and with the
 rolling one, `bench/decode_attention.py` with each attention kernel against the math one, `bench/bus.py` on a short
 setting with 1 and 2 partitions side by side, `bench/reward_function.py` with its four ways to the reward sandbox,
-and `bench/learning.py --tiny` (a model pretrained on the spot
+`bench/decode_beside_python.py`, and `bench/learning.py --tiny` (a model pretrained on the spot
 whose held-out accuracy GRPO through `rlbus up` raises). Speed figures are not checked here; the benches
 print them."""
 
@@ -182,3 +182,14 @@ def test_the_decode_attention_bench_times_each_kernel_against_the_math_one() -> 
         "sdpa math",
     }, done.stdout
     assert all(float(diff) < 1e-5 for diff in timed.values()), timed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_decode_beside_python_bench_times_the_loop_alone_and_at_each_switch_interval() -> None:
+    done = run_bench(["bench/decode_beside_python.py", "--batches", "1"], timeout=280)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert re.search(r"^ +alone: +[\d.]+ ms a batch$", done.stdout, re.M), done.stdout
+    intervals = re.findall(r"^beside a Python thread, +(\S+) ms: +[\d.]+ ms a batch \([\d.]+x alone\)$",
+                           done.stdout, re.M)  # fmt: skip
+    assert intervals == ["5", "1", "0.1"], done.stdout
