@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 from nats.aio.client import Client
 
+from rlbus.bus.flush import flush_through
+
 NAK = b"-NAK"
 ROLLOUT_DURABLE = "rollout"  # the replicas' shared consumer of prompt work
 
@@ -37,5 +39,5 @@ async def hand_back(nc: Client, ack_subjects: Iterable[str]) -> int:
         await nc.publish(subject, NAK)
         sent += 1
     if sent:
-        await nc.flush()
+        await flush_through(nc)
     return sent

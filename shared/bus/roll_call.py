@@ -24,6 +24,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from rlbus.bus.disconnects import RECENT_RECONNECT_S, disconnects_of
+from rlbus.bus.flush import flush_through
 from rlbus.bus.subjects import RunNames
 from rlbus.messages import JoinCall, JoinReply, decode, encode
 
@@ -113,7 +114,7 @@ async def answer_roll_calls(
             log.warning("roll call not answered", error=str(exc))
 
     sub = await nc.subscribe(names.weight_join(replica_id), cb=on_call)
-    await nc.flush()
+    await flush_through(nc)
     return sub
 
 
