@@ -39,7 +39,7 @@ async def _open_state(bus: Any) -> Any:
         raise RunNotFound(
             f"run {bus.run_id!r} has no state on this server (never started, or deleted)"
         ) from exc
-    return RunState(kv, bus.names, bus.nc)
+    return RunState(kv, bus.js, bus.names, bus.nc)
 
 
 async def _stage_info(bus: Any, stage: Any) -> dict[str, Any]:

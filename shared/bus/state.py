@@ -22,6 +22,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from rlbus import codec
 from rlbus.bus.connect import log
 from rlbus.bus.disconnects import ConnectionLostError, disconnects_of, unless_disconnected
+from rlbus.bus.kv_scan import scan_kv
 from rlbus.bus.retry import with_retry
 from rlbus.bus.subjects import RunNames
 from rlbus.messages import Heartbeat, decode, encode
@@ -42,8 +43,9 @@ T = TypeVar("T")
 class RunState:
     """Typed access to the run's KV bucket `rlbus_<run>_state`."""
 
-    def __init__(self, kv: KeyValue, names: RunNames, nc: Client | None = None) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext, names: RunNames, nc: Client | None = None) -> None:
         self.kv = kv
+        self.js = js  # scans read the bucket's stream through a consumer of their own (rlbus.bus.kv_scan)
         self.names = names
         self.nc = nc  # its disconnects end a request at once (rlbus.bus.disconnects)
         self._scans: dict[str, tuple[float, list[tuple[str, bytes]]]] = {}  # pattern -> (when, result)
@@ -72,7 +74,7 @@ class RunState:
                 )
             except BadRequestError:  # another service created it a moment ago with other settings
                 kv = await js.key_value(bucket)
-        return cls(kv, names, nc)
+        return cls(kv, js, names, nc)
 
     async def _get(self, key: str) -> bytes | None:
         entry = await self._entry(key)
@@ -182,22 +184,7 @@ class RunState:
         return found
 
     async def _scan_once(self, pattern: str) -> list[tuple[str, bytes]]:
-        watcher = await self.kv.watch(pattern, ignore_deletes=True, inactive_threshold=_SCAN_REAP_S)
-        out: list[tuple[str, bytes]] = []
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=_SCAN_TIMEOUT_S)
-                except NatsTimeoutError:
-                    log.warning("bus.kv_scan_timeout", pattern=pattern)
-                    break
-                if entry is None:
-                    break
-                if entry.value and entry.operation not in (KV_DEL, KV_PURGE):
-                    out.append((entry.key, entry.value))
-        finally:
-            await watcher.stop()
-        return out
+        return await scan_kv(self.js, self.names.state_bucket, pattern, _SCAN_TIMEOUT_S, _SCAN_REAP_S)
 
     async def heartbeats(self, service: str) -> list[Heartbeat]:
         """Every stored heartbeat of a service, however old; undecodable entries are skipped."""
