@@ -25,7 +25,7 @@ REMOVED = ("DEL", "PURGE")
 async def scan_kv(
     js: JetStreamContext, bucket: str, pattern: str, timeout_s: float, reap_s: float
 ) -> list[tuple[str, bytes]]:
-    """(key, value) of each key of `bucket` matching `pattern` whose last operation is a put, in stream order;
+    """(key, value) of each key of `bucket` matching `pattern` whose last operation is a put, once each;
     a scan whose next value takes longer than `timeout_s` is logged and returns what it read. The server reaps
     the consumer `reap_s` after we leave it."""
     prefix = f"$KV.{bucket}."
@@ -46,17 +46,20 @@ async def scan_kv(
         info = await sub.consumer_info()
         if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
             return []  # the server has nothing to send
-        found: list[tuple[str, bytes]] = []
+        found: dict[str, bytes] = {}  # a key written again during the scan keeps its newest value only
         while True:
             try:
                 msg = await asyncio.wait_for(arrived.get(), timeout_s)
             except TimeoutError:
                 log.warning("bus.kv_scan_timeout", pattern=pattern, found=len(found))
-                return found
+                return list(found.items())
+            key = msg.subject[len(prefix) :]
             removed = msg.headers is not None and msg.headers.get(OPERATION_HEADER) in REMOVED
             if msg.data and not removed:
-                found.append((msg.subject[len(prefix) :], msg.data))
+                found[key] = msg.data
+            else:
+                found.pop(key, None)
             if msg.metadata.num_pending == 0:
-                return found
+                return list(found.items())
     finally:
         await sub.unsubscribe()
