@@ -15,11 +15,9 @@ import asyncio
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from rlbus.bus.connect import log
-
-OPERATION_HEADER = "KV-Operation"  # a delete or purge marker carries DEL or PURGE here (NATS ADR-8)
-REMOVED = ("DEL", "PURGE")
 
 
 async def scan_kv(
@@ -54,7 +52,7 @@ async def scan_kv(
                 log.warning("bus.kv_scan_timeout", pattern=pattern, found=len(found))
                 return list(found.items())
             key = msg.subject[len(prefix) :]
-            removed = msg.headers is not None and msg.headers.get(OPERATION_HEADER) in REMOVED
+            removed = msg.headers is not None and msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE)
             if msg.data and not removed:
                 found[key] = msg.data
             else:
