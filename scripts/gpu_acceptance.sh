@@ -17,6 +17,7 @@
 #     again and uses the curves only if the weights come out the same (add --deterministic to both calls'
 #     LEARNING_ARGS for that: deterministic kernels, 1.8x slower pretraining), else it stops and says so.
 #   bash scripts/gpu_acceptance.sh 5   # async_level=1 time-sliced against under MPS (run.gpu_sharing), in turn, 3 pairs
+#                                      # (SHARING_VARIANTS, ROUNDS: others, such as run.mps_learner_sm_percent)
 #   bash scripts/gpu_acceptance.sh 6   # a decode pass at the learning bench's shape, compiled and recorded
 #                                      # (rollout.decode_step), profiled; then the learning bench's async_level=1
 #                                      # in each of LEARNING_VARIANTS (default: time-sliced, then under MPS: its
@@ -76,13 +77,16 @@ case $part in
   ;;
 5)
   # one GPU shared by the learner and a replica: the driver's time-slicing against MPS, alternating so that a
-  # slow spell of the machine hits both (rlbus only: the sharing is the difference)
-  for round in 1 2 3; do
-    for sharing in time_slice mps; do
-      echo "== round $round, run.gpu_sharing=$sharing"
+  # slow spell of the machine hits both (rlbus only: the sharing is the difference); SHARING_VARIANTS (space-
+  # separated, a variant's overrides joined by commas) and ROUNDS pick others
+  for round in $(seq 1 "${ROUNDS:-3}"); do
+    for variant in ${SHARING_VARIANTS:-run.gpu_sharing=time_slice run.gpu_sharing=mps}; do
+      echo "== round $round, $variant"
+      overrides=()
+      for o in ${variant//,/ }; do overrides+=(--rlbus-override "$o"); done
       timeout 170 "$py" bench/e2e_gpu.py --async-levels 1 --no-trl --rounds 1 --warmup 2 --steps 5 --timeout 150 \
-        --rlbus-override "run.gpu_sharing=$sharing" 2>&1 | grep -v "Loading weights" \
-        | tee "$results/e2e-$sharing-$round.log" | grep -E "step [0-9]|^rlbus async_level=1 +[0-9]" | sort -u
+        "${overrides[@]}" 2>&1 | grep -v "Loading weights" \
+        | tee "$results/e2e-${variant//[=,]/-}-$round.log" | grep -E "step [0-9]|^rlbus async_level=1 +[0-9]" | sort -u
     done
   done
   ;;

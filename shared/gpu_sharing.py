@@ -138,6 +138,18 @@ def shares_a_gpu(cfg: RlbusConfig, gpus: int) -> bool:
     return cfg.trainer.n_gpus_per_node <= 1 or gpus - cfg.trainer.n_gpus_per_node <= 0
 
 
+SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # read by an MPS client when its CUDA context is made
+
+
+def sm_share_env(cfg: RlbusConfig, service: str) -> dict[str, str]:
+    """The SM share a service's process may take under the run's MPS daemon (`run.mps_*_sm_percent`): the
+    training kernels fill every SM they are given, so a decode beside them waits unless the learner is capped."""
+    percent = {"learner": cfg.run.mps_learner_sm_percent, "rollout": cfg.run.mps_rollout_sm_percent}.get(
+        service
+    )
+    return {SM_SHARE_ENV: str(percent)} if percent is not None and percent < 100 else {}
+
+
 def start_for_run(cfg: RlbusConfig, gpus: int, run_dir: Path) -> MpsDaemon | None:
     """The run's own MPS daemon, started, when `mps_plan` says so (None otherwise, or when it would not
     start); the reason goes to the launcher's log either way."""

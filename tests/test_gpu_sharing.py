@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlbus.config import load_config
+from rlbus.config.warnings import inert_key_warnings
 from rlbus.gpu_sharing import (
     PIPES_RECORD,
     MpsDaemon,
@@ -18,6 +19,7 @@ from rlbus.gpu_sharing import (
     missing_control_problem,
     mps_plan,
     shares_a_gpu,
+    sm_share_env,
 )
 
 CONTROL = "/usr/bin/nvidia-cuda-mps-control"
@@ -62,6 +64,18 @@ def test_mps_without_its_binary_is_a_start_problem_only_when_asked_for() -> None
 )
 def test_which_runs_share_a_gpu(overrides: list[str], gpus: int, shares: bool) -> None:
     assert shares_a_gpu(load_config(None, overrides), gpus) is shares
+
+
+def test_a_capped_learner_gets_its_sm_share_and_the_cap_is_inert_without_mps() -> None:
+    cfg = load_config(None, ["run.gpu_sharing=mps", "run.mps_learner_sm_percent=60"])
+    assert sm_share_env(cfg, "learner") == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}
+    assert sm_share_env(cfg, "rollout") == {}  # uncapped: 100 is MPS's own default
+    assert sm_share_env(cfg, "reward") == {}
+    assert not [w for w in inert_key_warnings(cfg) if "sm_percent" in w]
+    sliced = load_config(None, ["run.mps_learner_sm_percent=60"])
+    assert [w for w in inert_key_warnings(sliced) if "sm_percent" in w] == [
+        "run.mps_learner_sm_percent has no effect with run.gpu_sharing=time_slice (it shares SMs under MPS)"
+    ]
 
 
 def test_a_daemon_left_by_a_killed_launcher_is_found_by_the_next(tmp_path: Path) -> None:

@@ -64,6 +64,20 @@ class RunConfig(Section):
         "side by side; refused without nvidia-cuda-mps-control); auto = mps where that is installed. "
         "time_slice by default: MPS did not pay at the 0.5B shape on an H100 (README)",
     )
+    mps_learner_sm_percent: int = Field(
+        100,
+        ge=1,
+        le=100,
+        description="under MPS (run.gpu_sharing=mps), the share of the GPU's SMs the learner's kernels may "
+        "take (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); below 100 keeps the rest for the replica's decode, which "
+        "the training kernels otherwise crowd out",
+    )
+    mps_rollout_sm_percent: int = Field(
+        100,
+        ge=1,
+        le=100,
+        description="under MPS, the share of the GPU's SMs a replica on the learner's GPU may take",
+    )
     on_refusal: Literal["exit", "hold"] = Field(
         "exit",
         description="a service that refuses its configuration: exit 2 (rlbus up, Slurm stop the run), or "

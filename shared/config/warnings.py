@@ -58,6 +58,9 @@ def inert_key_warnings(cfg: RlbusConfig) -> list[str]:
         out.append(f"rollout.decode_step has no effect with rollout.name={cfg.rollout.name}")
     elif cfg.rollout.enforce_eager and cfg.rollout.decode_step != "inductor":
         out.append("rollout.decode_step has no effect with rollout.enforce_eager=true (no CUDA graphs)")
+    for key in ("mps_learner_sm_percent", "mps_rollout_sm_percent"):
+        if getattr(cfg.run, key) != 100 and cfg.run.gpu_sharing == "time_slice":
+            out.append(f"run.{key} has no effect with run.gpu_sharing=time_slice (it shares SMs under MPS)")
     if trainer.critic_warmup:
         out.append(
             f"trainer.critic_warmup={trainer.critic_warmup} has no effect: the critic and the actor "
