@@ -180,7 +180,8 @@ def pretrain(args: argparse.Namespace, model, tokenizer, task: WorkedAddition) -
     the val set at `--start-accuracy` or more, or once `--pretrain-s` seconds are spent."""
     import torch
 
-    from rlbus.tiny_model import collate_sft, evaluate_accuracy, sft_step
+    from rlbus.held_out import evaluate_accuracy
+    from rlbus.tiny_model import collate_sft, sft_step
 
     val = rendered(tokenizer, task.make_examples("val", args.val_examples, seed=args.seed))
     optim = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.98), weight_decay=0.01)

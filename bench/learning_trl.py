@@ -39,8 +39,8 @@ def trl_child(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from worked_addition import DATA_SOURCE, WorkedAddition, compute_score, rendered
 
+    from rlbus.held_out import evaluate_accuracy
     from rlbus.modeling import load_tokenizer
-    from rlbus.tiny_model import evaluate_accuracy
 
     # as rlbus loads it: AutoTokenizer would pick Qwen2's class for this config and drop spaces and newlines
     tokenizer = load_tokenizer(spec["model"])

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from rlbus.held_out import evaluate_accuracy
 from rlbus.tasks import get_task
 from rlbus.tiny_model import (
     CHARACTERS,
@@ -16,7 +17,6 @@ from rlbus.tiny_model import (
     build_tokenizer,
     default_model_path,
     ensure_default_model,
-    evaluate_accuracy,
     is_model_dir,
     read_info,
 )
