@@ -33,6 +33,8 @@ export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 date -u +%FT%TZ
 stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N | cut -c1-14)" "$line"; done; }
+# a variant's overrides (joined by commas) as rlbus-only arguments, in the array `overrides` (parts 5 and 6)
+variant_overrides() { overrides=(); for o in ${1//,/ }; do overrides+=(--rlbus-override "$o"); done; }
 case $part in
 0)
   echo "== make test-gpu"
@@ -82,8 +84,7 @@ case $part in
   for round in $(seq 1 "${ROUNDS:-3}"); do
     for variant in ${SHARING_VARIANTS:-run.gpu_sharing=time_slice run.gpu_sharing=mps}; do
       echo "== round $round, $variant"
-      overrides=()
-      for o in ${variant//,/ }; do overrides+=(--rlbus-override "$o"); done
+      variant_overrides "$variant"
       timeout 170 "$py" bench/e2e_gpu.py --async-levels 1 --no-trl --rounds 1 --warmup 2 --steps 5 --timeout 150 \
         "${overrides[@]}" 2>&1 | grep -v "Loading weights" \
         | tee "$results/e2e-${variant//[=,]/-}-$round.log" | grep -E "step [0-9]|^rlbus async_level=1 +[0-9]" | sort -u
@@ -105,8 +106,7 @@ case $part in
   work=${LEARNING_WORK:-/tmp/rlbus-learning}
   for variant in ${LEARNING_VARIANTS:-run.gpu_sharing=time_slice run.gpu_sharing=mps}; do
     echo "== learning bench, $variant"
-    overrides=()
-    for o in ${variant//,/ }; do overrides+=(--rlbus-override "$o"); done
+    variant_overrides "$variant"
     timeout 290 "$py" bench/learning.py --work "$work" --budget-s 100 --pretrain-s 120 --async-levels 1 --no-trl \
       --micro-batch 512 "${overrides[@]}" 2>&1 | grep -v "Loading weights" \
       | tee "$results/learning-${variant//[=,]/-}.log" | grep -E "^pretrained|^rlbus async_level=1.*: [0-9]|by updates"
