@@ -20,7 +20,7 @@ from nats.errors import (
     StaleConnectionError,
 )
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from rlbus.bus.connect import log
 from rlbus.bus.disconnects import ConnectionLostError, unless_disconnected
@@ -47,6 +47,22 @@ RETRYABLE = (
     ConnectionLostError,
 )
 
+# JetStream answers that are no decision about the request, by error code: the same request, sent again
+# later, is stored or acked as a duplicate. A clustered stream leader stages a msg id when it proposes the
+# message, and answers a second publish of that id 10158 until the proposal applies: the retry of a publish
+# whose first answer was lost while a server died (seen in tests/test_bus_cluster.py).
+TRANSIENT_API_ERRORS = {
+    10158: "duplicate message id is in process",
+    10167: "too many requests",
+}
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether the request that raised `exc` may simply be sent again (pure: the policy of with_retry)."""
+    if isinstance(exc, RETRYABLE):
+        return True
+    return isinstance(exc, APIError) and exc.err_code in TRANSIENT_API_ERRORS
+
 
 async def with_retry(
     what: str,
@@ -54,18 +70,19 @@ async def with_retry(
     deadline_s: float = PUBLISH_DEADLINE_S,
     nc: Client | None = None,
 ) -> T:
-    """Run `fn` until it succeeds, retrying RETRYABLE errors with backoff for up to `deadline_s`; an attempt
+    """Run `fn` until it succeeds, retrying retryable errors with backoff for up to `deadline_s`; an attempt
     on client `nc` ends at once when `nc` disconnects.
 
-    Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated.
+    Only for idempotent requests: publishes carry a Nats-Msg-Id, acks can be repeated. What counts as
+    retryable is `is_retryable`.
     """
     deadline = time.monotonic() + deadline_s
     delay, tries = 0.1, 0
     while True:
         try:
             return await unless_disconnected(nc, fn)
-        except RETRYABLE as exc:
-            if time.monotonic() + delay >= deadline:
+        except Exception as exc:
+            if not is_retryable(exc) or time.monotonic() + delay >= deadline:
                 raise
             tries += 1
             report = log.warning if tries == 1 else log.debug  # once per request, not every half second
