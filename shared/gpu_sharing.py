@@ -150,15 +150,47 @@ def sm_share_env(cfg: RlbusConfig, service: str) -> dict[str, str]:
     return {SM_SHARE_ENV: str(percent)} if percent is not None and percent < 100 else {}
 
 
-def start_for_run(cfg: RlbusConfig, gpus: int, run_dir: Path) -> MpsDaemon | None:
-    """The run's own MPS daemon, started, when `mps_plan` says so (None otherwise, or when it would not
-    start); the reason goes to the launcher's log either way."""
+def capped_keys(cfg: RlbusConfig) -> list[str]:
+    """The `run.mps_*_sm_percent` keys set below 100 (they cap a service only under an MPS daemon)."""
+    return [
+        f"run.{key}"
+        for key in ("mps_learner_sm_percent", "mps_rollout_sm_percent")
+        if getattr(cfg.run, key) < 100
+    ]
+
+
+@dataclass(frozen=True)
+class RunMps:
+    """What the run's services find of MPS: the run's own daemon, or one of the user's (CUDA_MPS_PIPE_DIRECTORY
+    set in the launcher's environment, which the services inherit), or neither."""
+
+    daemon: MpsDaemon | None
+    outside_daemon: bool
+
+    def service_env(self, cfg: RlbusConfig, service: str) -> dict[str, str]:
+        """What a service's environment gains: the run's daemon's folders, and its SM cap under either
+        daemon (the user's own honours CUDA_MPS_ACTIVE_THREAD_PERCENTAGE as the run's does)."""
+        if self.daemon is None and not self.outside_daemon:
+            return {}
+        return {**(self.daemon.env if self.daemon is not None else {}), **sm_share_env(cfg, service)}
+
+    def stop(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+
+
+def start_for_run(cfg: RlbusConfig, gpus: int, run_dir: Path) -> RunMps:
+    """The run's own MPS daemon, started, when `mps_plan` says so (none otherwise, or when it would not
+    start); the reason goes to the launcher's log either way, and a cap that then caps nothing is warned
+    about by its key (under time_slice the config's warnings already say so)."""
     control = find_control()
-    plan = mps_plan(
-        cfg.run.gpu_sharing, shares_a_gpu(cfg, gpus), control, "CUDA_MPS_PIPE_DIRECTORY" in os.environ
-    )
+    outside = "CUDA_MPS_PIPE_DIRECTORY" in os.environ
+    plan = mps_plan(cfg.run.gpu_sharing, shares_a_gpu(cfg, gpus), control, outside)
     log.info("GPU sharing", mps=plan.start, reason=plan.reason)
-    if not plan.start or control is None:
-        return None
-    daemon = MpsDaemon(run_dir, control)
-    return daemon if daemon.start() else None
+    daemon = MpsDaemon(run_dir, control) if plan.start and control is not None else None
+    if daemon is not None and not daemon.start():
+        daemon = None
+    if daemon is None and not outside and cfg.run.gpu_sharing != "time_slice":
+        for key in capped_keys(cfg):
+            log.warning(f"{key} has no effect: the services do not run under MPS", reason=plan.reason)
+    return RunMps(daemon, outside)

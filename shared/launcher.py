@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 import yaml
 
 from rlbus.config import RlbusConfig, save_config
-from rlbus.gpu_sharing import find_control, missing_control_problem, sm_share_env, start_for_run
+from rlbus.gpu_sharing import find_control, missing_control_problem, start_for_run
 from rlbus.logs import get_logger, setup_logging
 from rlbus.metrics_log import MetricsTail, progress_line
 from rlbus.notices import NOTICES_FILE, read_notices
@@ -442,7 +442,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     try:  # the MPS daemon starts inside: whatever ends the run, the finally quits it
         mps = start_for_run(cfg, gpus, run_dir)  # services sharing a GPU run side by side under it
         for p in procs:
-            p.env.update({**mps.env, **sm_share_env(cfg, p.service)} if mps is not None else {})
+            p.env.update(mps.service_env(cfg, p.service))
             p.start()
         console_at = time.monotonic()
         while not stopping:

@@ -8,18 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 
 from rlbus.config import load_config
 from rlbus.config.warnings import inert_key_warnings
 from rlbus.gpu_sharing import (
     PIPES_RECORD,
     MpsDaemon,
+    RunMps,
     find_control,
     leftover_pipes,
     missing_control_problem,
     mps_plan,
     shares_a_gpu,
     sm_share_env,
+    start_for_run,
 )
 
 CONTROL = "/usr/bin/nvidia-cuda-mps-control"
@@ -76,6 +79,36 @@ def test_a_capped_learner_gets_its_sm_share_and_the_cap_is_inert_without_mps() -
     assert [w for w in inert_key_warnings(sliced) if "sm_percent" in w] == [
         "run.mps_learner_sm_percent has no effect with run.gpu_sharing=time_slice (it shares SMs under MPS)"
     ]
+
+
+def test_a_cap_reaches_the_services_under_the_user_s_own_daemon_too(tmp_path: Path) -> None:
+    """CUDA_MPS_PIPE_DIRECTORY set by the user: the run starts no daemon, and its services (which inherit the
+    variable) still get their SM cap; with no daemon at all they get nothing."""
+    cfg = load_config(None, ["run.mps_learner_sm_percent=60"])
+    cap = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}
+    assert RunMps(None, outside_daemon=True).service_env(cfg, "learner") == cap
+    assert RunMps(None, outside_daemon=False).service_env(cfg, "learner") == {}
+    ours = MpsDaemon(tmp_path, CONTROL)
+    assert RunMps(ours, outside_daemon=False).service_env(cfg, "learner") == {**ours.env, **cap}
+    assert RunMps(ours, outside_daemon=False).service_env(cfg, "rollout") == ours.env
+
+
+def test_a_cap_with_no_mps_under_the_services_is_warned_about_by_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run.gpu_sharing=auto on a machine where nothing shares a GPU (here none): no daemon, and the cap set
+    caps nothing, which the launcher's log says naming the key and why."""
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    cfg = load_config(None, ["run.gpu_sharing=auto", "run.mps_rollout_sm_percent=40"])
+    with structlog.testing.capture_logs() as logs:
+        mps = start_for_run(cfg, 0, tmp_path)
+    assert mps.daemon is None and mps.service_env(cfg, "rollout") == {}
+    [warning] = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"].startswith("run.mps_rollout_sm_percent has no effect")
+    assert warning["reason"] == "no GPU is shared by the learner and a replica"
+    with structlog.testing.capture_logs() as logs:
+        start_for_run(load_config(None, ["run.gpu_sharing=auto"]), 0, tmp_path)  # uncapped: nothing to say
+    assert not [e for e in logs if e["log_level"] == "warning"]
 
 
 def test_a_daemon_left_by_a_killed_launcher_is_found_by_the_next(tmp_path: Path) -> None:
