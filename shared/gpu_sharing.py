@@ -139,24 +139,20 @@ def shares_a_gpu(cfg: RlbusConfig, gpus: int) -> bool:
 
 
 SM_SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # read by an MPS client when its CUDA context is made
+SM_PERCENT_KEYS = {"learner": "mps_learner_sm_percent", "rollout": "mps_rollout_sm_percent"}  # run.<key>
 
 
 def sm_share_env(cfg: RlbusConfig, service: str) -> dict[str, str]:
     """The SM share a service's process may take under the run's MPS daemon (`run.mps_*_sm_percent`): the
     training kernels fill every SM they are given, so a decode beside them waits unless the learner is capped."""
-    percent = {"learner": cfg.run.mps_learner_sm_percent, "rollout": cfg.run.mps_rollout_sm_percent}.get(
-        service
-    )
-    return {SM_SHARE_ENV: str(percent)} if percent is not None and percent < 100 else {}
+    key = SM_PERCENT_KEYS.get(service)
+    percent = getattr(cfg.run, key) if key is not None else 100
+    return {SM_SHARE_ENV: str(percent)} if percent < 100 else {}
 
 
 def capped_keys(cfg: RlbusConfig) -> list[str]:
     """The `run.mps_*_sm_percent` keys set below 100 (they cap a service only under an MPS daemon)."""
-    return [
-        f"run.{key}"
-        for key in ("mps_learner_sm_percent", "mps_rollout_sm_percent")
-        if getattr(cfg.run, key) < 100
-    ]
+    return [f"run.{key}" for key in SM_PERCENT_KEYS.values() if getattr(cfg.run, key) < 100]
 
 
 @dataclass(frozen=True)
