@@ -223,7 +223,16 @@ def prepare_run(
     return run_dir, config_path, server
 
 
+# A GPU's driver leaves one of these: NVIDIA's (also inside a container given GPUs), AMD's ROCm, WSL's.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
 def visible_gpus() -> int:
+    """The GPUs torch sees here. Where no GPU driver is installed there are none, and torch is not imported:
+    its import (3-8 s of CPU on the 2-core box) would compete with the preloading server's, which every
+    service, and so a refusal at start, waits for."""
+    if not any(Path(p).exists() for p in GPU_DRIVER_PATHS):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -145,8 +145,6 @@ def first_prompt_is_chat(path: Path, prompt_key: str) -> bool:
 def chat_template_problem(cfg: RlbusConfig) -> Problem | None:
     """Chat-message prompts on a tokenizer without a chat template: verl's apply_chat_template would fail;
     rendering them some other way would train on prompts the model was never meant to see."""
-    from rlbus.tiny_model import default_model_path
-
     data = cfg.data
     files = (
         [Path(f).expanduser() for f in [*data.train_files, *data.val_files]] if data.task == "jsonl" else []
@@ -154,6 +152,8 @@ def chat_template_problem(cfg: RlbusConfig) -> Problem | None:
     chat = next((f for f in files if f.is_file() and first_prompt_is_chat(f, data.prompt_key)), None)
     if chat is None:
         return None
+    from rlbus.tiny_model import default_model_path  # imports torch: only where chat prompts need a tokenizer
+
     model_dir = Path(str(cfg.model.path)).expanduser() if cfg.model.path is not None else default_model_path()
     if not model_dir.is_dir():
         from huggingface_hub import try_to_load_from_cache

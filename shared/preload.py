@@ -7,18 +7,36 @@ module is already imported (importing it in the child takes ~1 ms)."""
 import atexit
 import contextlib
 import gc
+import os
+import sys
 
-import torch  # noqa: F401
-import transformers.generation.utils  # noqa: F401
-import transformers.models.auto.modeling_auto  # noqa: F401
-import transformers.models.qwen2.modeling_qwen2  # noqa: F401  # the bundled model's family (and Qwen's)
+SERVER_PID = os.getpid()  # the server's: its forked children (the services) have pids of their own
 
-import rlbus.learner.service  # noqa: F401
-import rlbus.modeling  # noqa: F401
-import rlbus.ref.service  # noqa: F401
-import rlbus.reward.service  # noqa: F401
-import rlbus.rollout.engines.hf  # noqa: F401
-import rlbus.rollout.service  # noqa: F401
+
+def _end_without_teardown() -> None:
+    """The server ends with the launcher (its pipe closes). An interpreter holding torch and transformers takes
+    seconds to tear down (2-3 s on the 2-core box), and the server keeps the launcher's stdout and stderr
+    open until it is gone: whatever reads `rlbus up`'s output (a pipe, `subprocess.run`, CI) waited that
+    long after the launcher had exited. The services end their own way (rlbus.preforked)."""
+    if os.getpid() == SERVER_PID:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+atexit.register(_end_without_teardown)  # registered first, so it runs last: after every other exit hook
+
+import torch  # noqa: E402, F401
+import transformers.generation.utils  # noqa: E402, F401
+import transformers.models.auto.modeling_auto  # noqa: E402, F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: E402, F401  # the bundled model's family (and Qwen's)
+
+import rlbus.learner.service  # noqa: E402, F401
+import rlbus.modeling  # noqa: E402, F401
+import rlbus.ref.service  # noqa: E402, F401
+import rlbus.reward.service  # noqa: E402, F401
+import rlbus.rollout.engines.hf  # noqa: E402, F401
+import rlbus.rollout.service  # noqa: E402, F401
 
 # A model load's first call builds transformers' checkpoint conversion table (hundreds of regular
 # expressions): 0.1-0.3 s of every learner and rollout start and restart, made here once instead.
