@@ -55,3 +55,26 @@ def test_mps_asked_for_without_its_control_binary_is_refused(
     done = rlbus_up(tmp_path, nats_url, run_id, "run.gpu_sharing=mps", timeout=60)
     assert done.returncode == 2, done.stderr
     assert "run.gpu_sharing=mps, but nvidia-cuda-mps-control is not installed" in done.stderr
+
+
+def test_the_launcher_imports_no_torch_where_no_gpu_driver_is_installed() -> None:
+    """Counting GPUs where no driver is installed needs no torch: its import (3-8 s of CPU on the 2-core box)
+    would compete with the preloading server's, which every service, and so a refusal at start, waits for."""
+    import subprocess
+    import sys
+
+    from rlbus.launcher import GPU_DRIVER_PATHS
+
+    if any(Path(p).exists() for p in GPU_DRIVER_PATHS):
+        pytest.skip("a GPU driver is installed here")
+    code = (
+        "import sys\n"
+        "from rlbus.config import load_config\n"
+        "from rlbus.launcher import start_problems, visible_gpus\n"
+        "gpus = visible_gpus()\n"
+        "start_problems(load_config(None, []), gpus)\n"
+        "print(gpus, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "False"]
