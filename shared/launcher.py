@@ -404,8 +404,8 @@ def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> 
 def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
     setup_logging(cfg.logging.level, cfg.logging.json_logs, service="launcher")
     if cfg.run.service_start == "fork":
-        # its imports overlap the launcher's own (torch, for the GPU count) and the run's preparation; a
-        # refused run leaves it to finish them and exit on its own
+        # its imports overlap the launcher's own (torch for the GPU count, where a GPU driver is installed)
+        # and the run's preparation; a refused run leaves it to finish them and exit on its own
         start_server()
     gpus = visible_gpus()
     refused = start_problems(cfg, gpus)
