@@ -227,11 +227,15 @@ def prepare_run(
 GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
+def gpu_driver_installed() -> bool:
+    return any(Path(p).exists() for p in GPU_DRIVER_PATHS)
+
+
 def visible_gpus() -> int:
     """The GPUs torch sees here. Where no GPU driver is installed there are none, and torch is not imported:
     its import (3-8 s of CPU on the 2-core box) would compete with the preloading server's, which every
     service, and so a refusal at start, waits for."""
-    if not any(Path(p).exists() for p in GPU_DRIVER_PATHS):
+    if not gpu_driver_installed():
         return 0
     import torch
 

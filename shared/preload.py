@@ -50,6 +50,6 @@ with contextlib.suppress(Exception):  # a transformers without the table loads a
 # on the 2-core box beside the other services, and a learner restart waited it out before its first dispatch.
 gc.collect()
 gc.freeze()
-# ... and unfrozen at exit (the server's, and each child's: rlbus.preforked runs the atexit hooks), so the
-# interpreter's last collection frees them: frozen, triton's bindings print "nanobind: leaked ..." to the log
+# ... and unfrozen at each child's exit (rlbus.preforked runs the atexit hooks), so its last collection frees
+# them: frozen, triton's bindings print "nanobind: leaked ..." to the log (the server itself skips its teardown)
 atexit.register(gc.unfreeze)
