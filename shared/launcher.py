@@ -87,21 +87,39 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (graceful: finish the current item, leave the rest on the bus), then SIGKILL."""
+        self.ask_to_stop()
+        return self.wait_stopped(time.monotonic() + timeout)
+
+    def ask_to_stop(self) -> None:
+        """SIGTERM, without waiting: `stop_all` signals every service before it waits for any."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, deadline: float) -> int | None:
+        """Waits until `deadline` (time.monotonic()) for the process to end, then SIGKILLs it."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+
+
+def stop_all(procs: list[ServiceProcess], timeout: float = 15.0) -> None:
+    """Every service signalled first, then waited for under one deadline: a run's stop takes its slowest
+    service's time, not the sum of all of theirs (a learner still loading its model took 4 s to answer)."""
+    for p in procs:
+        p.ask_to_stop()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait_stopped(deadline)
 
 
 def learner_command(cfg: RlbusConfig) -> list[str] | None:
@@ -468,8 +486,7 @@ def launch(cfg: RlbusConfig, fresh: bool = False) -> int:
                 outcome = ended
                 break
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
         if server is not None:
             server.stop()
         if mps is not None:
