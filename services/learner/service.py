@@ -12,7 +12,7 @@ from rlbus.bus.trajectory_log import TrajectoryLog
 from rlbus.config import RlbusConfig
 from rlbus.learner.checkpoint import CheckpointError, resume_target
 from rlbus.learner.dispatch import Dispatcher, Ledger
-from rlbus.learner.gather import Gatherer, LearnerStalled
+from rlbus.learner.gather import Gatherer
 from rlbus.learner.memory_checkpoint import MemoryCheckpoint
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
@@ -20,7 +20,8 @@ from rlbus.learner.step_checkpoints import StepCheckpoints, resume_source
 from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, run_counters
 from rlbus.messages import ReadyGroup
 from rlbus.notices import post_notice
-from rlbus.service import EXIT_PUSH_FAILED, EXIT_REFUSED, EXIT_STALLED, ServiceContext
+from rlbus.service import ServiceContext
+from rlbus.stoppable import StoppedDuringStart, on_own_thread, unless_stopped
 from rlbus.verl_metric_names import validation_row
 
 # ledger.json is the run's account for people and tests, written whole: every step made a long run's cost
@@ -96,7 +97,7 @@ class Learner:
         require_cuda(
             cfg.trainer.weight_sync_backend, "trainer.device", device.type
         )  # compose/k8s: no launcher check
-        self.trainer = await asyncio.to_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
+        self.trainer = await on_own_thread(PolicyTrainer, cfg, model_path, device, self.total_steps)
         self.dispatcher = Dispatcher(cfg, self.loader, self.tokenizer, self.ctx.bus, self.ledger)
         self.dispatcher.id_tag = f"a{self.attempt}-" if self.attempt else ""
         if self.resumed_from is not None:
@@ -352,13 +353,17 @@ class Learner:
         what = " and ".join(name for name, compiled in parts.items() if compiled)
         post_notice(self.run_dir, "learner", f"compiling the {what}, once, at start")
         t0 = time.perf_counter()
-        if await asyncio.to_thread(self.trainer.warm_up):
+        run = on_own_thread if stops_during_start(self.ctx) else asyncio.to_thread  # see stops_during_start
+        if await run(self.trainer.warm_up):  # one process: a stop mid-compile does not wait it out
             post_notice(self.run_dir, "learner", f"{what} compiled in {time.perf_counter() - t0:.1f} s")
 
     async def _train(self, step: int, batch) -> dict[str, float]:
         """One update, off the event loop, after the warm-up; a step that compiled graphs says so on the
         console (a compile after start-up is a stall worth knowing about)."""
-        await self._warming
+        try:  # a stop during the warm-up ends the run as a stop while gathering does
+            await unless_stopped(self.ctx.stop, asyncio.shield(self._warming))
+        except StoppedDuringStart:
+            raise asyncio.CancelledError from None
         graphs, t0 = compiled_graph_count(), time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train_step, batch)
         if (new_graphs := compiled_graph_count() - graphs) > 0:
@@ -469,29 +474,10 @@ class Learner:
         )
 
 
-async def learner_loop(ctx: ServiceContext) -> int:
-    from rlbus.learner.data import DataError
-    from rlbus.learner.weight_push import WeightPushFailed
-    from rlbus.weight_transport import PlacementError
+def stops_during_start(ctx: ServiceContext) -> bool:
+    """A stop may abandon the start-up (model load, optimizer) of a learner that is one process. Ranks of
+    several meet in collectives while they set up: rank 0 leaving halfway would strand the others, so they
+    finish setting up and stop together."""
+    from rlbus.learner.dist import context as dist_context
 
-    learner = Learner(ctx)
-    try:
-        await learner.setup()
-    except (PlacementError, DataError) as exc:
-        ctx.log.error("refused at start", reason=str(exc))
-        post_notice(ctx.run_dir, "learner", f"refused: {exc}")
-        return EXIT_REFUSED
-    try:
-        return await learner.run()
-    except LearnerStalled as exc:
-        ctx.log.error("learner stalled", reason=str(exc))
-        post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
-        return EXIT_STALLED
-    except WeightPushFailed as exc:
-        ctx.log.error("weight push keeps failing", reason=str(exc))
-        post_notice(ctx.run_dir, "learner", f"stopped: {exc}")
-        return EXIT_PUSH_FAILED
-    except asyncio.CancelledError:
-        ctx.log.info("learner stopped before the end", step=learner.version)
-        learner.ledger.save(Path(learner.run_dir) / "ledger.json")
-        return 130
+    return dist_context.context().world_size == 1
