@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
@@ -52,9 +54,18 @@ async def on_own_thread(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
 
 
 def unfinished_start_work() -> list[str]:
-    """What `on_own_thread` started and is still running (thread names): a process ending now should end
-    with `os._exit`, since interpreter teardown beside a thread inside torch can crash."""
+    """What `on_own_thread` started and is still running (thread names)."""
     return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+
+
+def leave_if_start_abandoned(rc: int) -> None:
+    """Ends the process at once (`os._exit(rc)`) while abandoned start-up work still runs: interpreter
+    teardown beside a thread inside torch can crash, and exit hooks (inductor's compile workers) would wait
+    for it. Nothing is lost: a service stopped during its start has nothing written yet."""
+    if unfinished_start_work():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 async def unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T:

@@ -70,7 +70,12 @@ class SlowQwen2(Qwen2ForCausalLM):
 """
 
 
-def test_a_learner_stopped_while_it_sets_up_exits_at_once(tmp_path: Path, nats_url: str, run_id: str) -> None:
+@pytest.mark.parametrize(("service", "code"), [("learner", 130), ("rollout-0", 0)])
+def test_a_service_stopped_while_it_loads_its_model_exits_at_once(
+    tmp_path: Path, nats_url: str, run_id: str, service: str, code: int
+) -> None:
+    """The learner (setup, its trainer's model) and an embedded-engine replica (its engine's model): each
+    ends with its usual stop code when stopped inside a model load that has not ended."""
     from rlbus.model_source import resolve_model_path
 
     model = tmp_path / "model"
@@ -83,19 +88,19 @@ def test_a_learner_stopped_while_it_sets_up_exits_at_once(tmp_path: Path, nats_u
     run = Run(
         make_config(nats_url, run_id, tmp_path, [f"model.path={model}", "model.trust_remote_code=true"])
     )
-    learner = run.learner
-    learner.env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")
-    learner.start()
+    proc = run.proc(service)
+    proc.env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")
+    proc.start()
     try:
-        wait_until(lambda: (tmp_path / "loading").exists(), 120, "the learner to load its model code")
-        assert learner.proc is not None
-        learner.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: (tmp_path / "loading").exists(), 120, f"the {service} to load its model code")
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
         try:
-            code = learner.proc.wait(60)  # the load would last until `release`, which comes after this
+            ended = proc.proc.wait(60)  # the load would last until `release`, which comes after this
         except subprocess.TimeoutExpired:
-            pytest.fail("the learner waited for its model load to end before it stopped")
-        assert code == 130
-        assert "learner stopped during start-up" in learner.log_path.read_text()
+            pytest.fail(f"the {service} waited for its model load to end before it stopped")
+        assert ended == code
+        assert f"{service.split('-')[0]} stopped during start-up" in proc.log_path.read_text()
     finally:
         (tmp_path / "release").touch()
-        learner.stop(timeout=10)
+        proc.stop(timeout=10)

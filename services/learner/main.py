@@ -18,7 +18,7 @@ def run_learner(cfg: RlbusConfig) -> int:
     from rlbus.learner.dist import worker
     from rlbus.learner.lifecycle import learner_loop
     from rlbus.service import run_service
-    from rlbus.stoppable import unfinished_start_work
+    from rlbus.stoppable import leave_if_start_abandoned
 
     # Workers idle in a gloo broadcast while rank 0 waits for rollouts: never shorter than that wait.
     timeout_s = max(
@@ -39,14 +39,12 @@ def run_learner(cfg: RlbusConfig) -> int:
             ctx.stop_workers()
     finally:
         dist_context.shutdown()
-    if unfinished_start_work():  # stopped mid-start, its model load or compile still running
-        _leave_without_teardown(rc)
+    leave_if_start_abandoned(rc)  # stopped mid-start, its model load or compile still running
     return rc
 
 
 def _leave_without_teardown(rc: int) -> NoReturn:
-    """End a finished rank, or a learner stopped mid-start (`rlbus.stoppable`: its model load or compile
-    still running on a thread), at once. Interpreter teardown could only race torch's C++ threads (gloo's
+    """End a finished rank at once. Interpreter teardown could only race torch's C++ threads (gloo's
     threads of a freed group): "terminate called without an active exception" aborted a worker once in
     four multi-node runs and the CI's two-rank leader twice (under torchrun,
     and started by hand in test_per_rank_checkpoint); torchrun reports that as a failed job.

@@ -23,10 +23,12 @@ from rlbus.messages import (
     encode,
 )
 from rlbus.service import ServiceContext, run_service
+from rlbus.stoppable import StoppedDuringStart, leave_if_start_abandoned, on_own_thread, unless_stopped
 
 if TYPE_CHECKING:
     from rlbus.bus.consumer import Delivery
     from rlbus.rollout.admission import RequestLimits
+    from rlbus.rollout.engines.base import RolloutEngine
 
     Work = Delivery[PromptWork]  # one prompt's work item, as the replica fetches it
 
@@ -370,9 +372,21 @@ async def rollout_loop(ctx: ServiceContext) -> int:
 
     cfg = ctx.cfg
     model_path = resolve_model_path(cfg.model.path, cfg.model.use_shm)
-    engine = await asyncio.to_thread(build_engine, cfg, model_path)
-    await asyncio.to_thread(engine.warm_up, lambda text: say_at_start(ctx, text))
-    limits = await asyncio.to_thread(limits_for, cfg, model_path)
+    # the embedded engine's load and compile (20-40 s on a GPU) end with a stop; vLLM's and SGLang's own
+    # processes must be shut down by the engine, so those finish starting first
+    abandons = cfg.rollout.name == "hf"
+    run = on_own_thread if abandons else asyncio.to_thread
+
+    async def start() -> tuple[RolloutEngine, RequestLimits]:
+        engine = await run(build_engine, cfg, model_path)
+        await run(engine.warm_up, lambda text: say_at_start(ctx, text))
+        return engine, await run(limits_for, cfg, model_path)
+
+    try:
+        engine, limits = await (unless_stopped(ctx.stop, start()) if abandons else start())
+    except StoppedDuringStart:
+        ctx.log.info("rollout stopped during start-up")
+        return 0
     replica = Replica(ctx, engine)
     ctx.stats.update(
         weight_ranks=float(engine.weight_ranks),
@@ -424,4 +438,6 @@ async def rollout_loop(ctx: ServiceContext) -> int:
 
 
 def run_rollout(cfg: RlbusConfig, replica_id: str | None = None) -> int:
-    return asyncio.run(run_service(cfg, "rollout", replica_id, rollout_loop))
+    rc = asyncio.run(run_service(cfg, "rollout", replica_id, rollout_loop))
+    leave_if_start_abandoned(rc)
+    return rc
