@@ -191,6 +191,25 @@ def profile_batch(engine: Any, requests: list[Any]) -> float:
     return seconds
 
 
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The engines' order in each round: as given, then reversed, and so on (A B, B A, A B ...), so that
+    whatever favours a place in the order favours each engine alike."""
+    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(max(1, rounds))]
+
+
+def over_rounds(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """One engine's figures over its rounds: the first round's, with tokens/s the median of all rounds."""
+    import statistics
+
+    out: dict[str, Any] = dict(runs[0])
+    speeds = [r["tokens_per_s"] for r in runs if "tokens_per_s" in r]
+    if speeds:
+        out["tokens_per_s"] = statistics.median(speeds)
+        if len(runs) > 1:
+            out["tokens_per_s_rounds"] = speeds
+    return out
+
+
 PLANNED = ("hf", "hf-recorded", "hf-unfused", "hf-sdpa-decode")  # engines whose decode shapes are planned
 
 
@@ -225,7 +244,7 @@ def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argpa
     return engine
 
 
-def _table(results: dict[str, dict[str, float]]) -> str:
+def _table(results: dict[str, dict[str, Any]]) -> str:
     cols = [
         ("startup_s", "start s", "{:.1f}"),
         ("first_batch_s", "1st batch s", "{:.3f}"),
@@ -239,7 +258,9 @@ def _table(results: dict[str, dict[str, float]]) -> str:
     lines = [head, "-" * len(head)]
     for name, row in results.items():
         cells = "".join(f"{(fmt.format(row[k]) if k in row else '-'):>13}" for k, _, fmt in cols)
-        lines.append(f"{name:<14}{cells}")
+        per_round = row.get("tokens_per_s_rounds")
+        rounds = f"   rounds: {', '.join(f'{v:.0f}' for v in per_round)}" if per_round else ""
+        lines.append(f"{name:<14}{cells}{rounds}")
     for other in ("hf-recorded", "hf-sdpa-decode", "hf-unplanned", "hf-eager"):
         if "hf" in results and other in results and results[other].get("tokens_per_s"):
             ratio = results["hf"]["tokens_per_s"] / results[other]["tokens_per_s"]
@@ -285,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="profile one more batch per engine (torch.profiler)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the engines this many times, the order reversed each round (the first engine of a process, "
+        "or the first to compile on a machine, measured slower once: 0.71x against 1.05x reversed); tokens/s "
+        "is then each engine's median, start s its first round's",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -308,10 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs",
         flush=True,
     )
-    results: dict[str, dict[str, float]] = {}
-    for name in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        print(f"-- {name} ...", flush=True)
-        results[name] = bench_engine(name, model_dir, prompts, args)
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r, order in enumerate(round_orders(names, args.rounds)):
+        for name in order:
+            print(f"-- {name}{f' (round {r + 1})' if args.rounds > 1 else ''} ...", flush=True)
+            rounds[name].append(bench_engine(name, model_dir, prompts, args))
+    results = {name: over_rounds(runs) for name, runs in rounds.items()}
     print()
     print(_table(results))
     if args.json:

@@ -53,7 +53,7 @@ case $part in
   echo "== decode tokens/s, 0.5B shape, 512 rows x 128 tokens"
   timeout 320 "$py" bench/rollout.py --random-model 896:24:4864 --ignore-eos --engines "${DECODE_ENGINES:-hf,hf-sdpa-decode}" \
     --prompts 64 --n 8 --max-tokens 128 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
-    --pushes 0 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
+    --pushes 0 --rounds 2 --profile --json "$results/rollout.json" 2>&1 | grep -v "Loading weights" >"$results/rollout.log"
   grep -E "^(-- |   |engine|hf)" "$results/rollout.log" | grep -vE "^ +(aten|void|Memcpy|cuda|triton|ampere|sm90|Activity)" | tail -16
   echo "== one decode step's attention at that shape, per kernel"
   timeout 120 "$py" bench/decode_attention.py 2>&1 | grep -vi warn

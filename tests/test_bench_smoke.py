@@ -90,6 +90,8 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_other_decode_pa
             "1",
             "--pushes",
             "0",
+            "--rounds",
+            "2",
             "--json",
             str(out),
         ],
@@ -98,6 +100,9 @@ def test_the_rollout_bench_compares_the_embedded_engine_with_its_other_decode_pa
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"hf", "hf-unfused", "hf-sdpa-decode", "hf-unplanned", "hf-eager"}
+    assert all(len(r["tokens_per_s_rounds"]) == 2 for r in results.values()), results
+    started = re.findall(r"^-- (\S+)", done.stdout, re.MULTILINE)  # the second round runs them in reverse
+    assert started[5:] == started[:5][::-1] and started[0] == "hf", started
     assert all(r["mean_len"] == 6 and r["tokens_per_s"] > 0 for r in results.values()), results
     assert re.search(r"hf/hf-unplanned tokens/s ratio: [\d.]+x", done.stdout), done.stdout
     assert re.search(r"hf/hf-sdpa-decode tokens/s ratio: [\d.]+x", done.stdout), done.stdout
