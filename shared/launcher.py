@@ -419,6 +419,8 @@ def say_outcome(outcome: Outcome, learner: ServiceProcess, cfg: RlbusConfig) -> 
             file=sys.stderr,
             flush=True,
         )
+    elif outcome.rc == 130:  # Ctrl-C or SIGTERM, to `rlbus up` or to the learner: a stop, not a failure
+        print(f"rlbus: stopped; logs in {learner.log_path.parent}", file=sys.stderr, flush=True)
     elif outcome.rc not in (0, None):
         print(f"rlbus: learner exited with {outcome.rc}; see {learner.log_path}", file=sys.stderr, flush=True)
 

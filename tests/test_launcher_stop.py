@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
-from e2e_utils import wait_until
+from e2e_utils import up_command, wait_until
 
 from rlbus.launcher import ServiceProcess, stop_all
 
@@ -46,3 +48,25 @@ def test_every_service_is_asked_to_stop_before_the_run_waits_for_any(tmp_path: P
     stop_all(procs, timeout=30)
     assert [p.proc.returncode for p in procs if p.proc is not None] == [0, 0]
     assert a.read_text() == b.read_text() == "stopped beside the other"
+
+
+def test_ctrl_c_stops_the_run_and_says_so_not_as_a_failure(
+    tmp_path: Path, nats_url: str, run_id: str
+) -> None:
+    """Ctrl-C while the services start: every one stops (the learner mid-setup too), `rlbus up` exits 130 and
+    its last line says it stopped, where it used to read as a failure ("learner exited with 130")."""
+    up = subprocess.Popen(
+        up_command(tmp_path, nats_url, run_id), cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
+    learner_log = tmp_path / "runs" / run_id / "logs" / "learner.log"
+    try:
+        wait_until(
+            lambda: learner_log.exists() and "service started" in learner_log.read_text(), 120, "the learner"
+        )
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        up.kill()
+    assert up.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"rlbus: stopped; logs in {learner_log.parent}", err[-2000:]
+    assert "rlbus: learner exited with" not in err
