@@ -1,18 +1,17 @@
 """JetStream work queues between the stages: typed publish, validated pull consumers, dead letters.
 
 Guarantees the rest of rlbus builds on:
-- A work item stays in its stream until a consumer acks it; an un-acked item is redelivered after
-  `ack_wait_s` to any replica sharing the durable name.
-- A consumer only ever hands out messages that decoded and validated. Anything else (bad bytes,
-  wrong kind or schema version, missing claim-check object, or an item that failed `max_deliver`
-  times) is copied to the run's dead-letter stream with the reason, then terminated.
-- Payloads bigger than the server's `max_payload` travel by claim check: the bytes go to the run's
-  Object Store and the work queue carries a small message with an `Rlbus-Claim` header.
+- A work item stays in its stream until a consumer acks it; an un-acked item is redelivered after `ack_wait_s`
+  to any replica sharing the durable name.
+- A consumer only ever hands out messages that decoded and validated. Anything else (bad bytes, wrong kind or
+  schema version, missing claim-check object, or an item that failed `max_deliver` times) is copied to the
+  run's dead-letter stream with the reason, then terminated.
+- Payloads bigger than the server's `max_payload` travel by claim check: the bytes go to the run's Object
+  Store and the work queue carries a small message with an `Rlbus-Claim` header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator
 from types import TracebackType
 from typing import Any, overload
 
@@ -58,33 +57,13 @@ from rlbus.bus.headers import (
     _storage,
 )
 from rlbus.bus.object_read import read_object
+from rlbus.bus.opening import Opening
 from rlbus.bus.retry import with_retry
 from rlbus.bus.state import RunState
 from rlbus.bus.streams import ensure_work_streams
 from rlbus.bus.subjects import STAGE_MESSAGE, RunNames, Stage, partition_key
 from rlbus.config.schema import BusConfig, RlbusConfig
 from rlbus.messages import Message, encode
-
-
-class _Opening:
-    """`Bus.connect(...)`: await it for a Bus, or use it as `async with` to close on exit."""
-
-    def __init__(self, coro: Awaitable[Bus]) -> None:
-        self._coro = coro
-        self._bus: Bus | None = None
-
-    def __await__(self) -> Generator[Any, None, Bus]:
-        return self._coro.__await__()
-
-    async def __aenter__(self) -> Bus:
-        self._bus = await self._coro
-        return self._bus
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._bus is not None:
-            await self._bus.close()
 
 
 class Bus:
@@ -136,9 +115,9 @@ class Bus:
         name: str = "rlbus",
         ensure: bool = True,
         storage: str | None = None,
-    ) -> _Opening:
+    ) -> Opening[Bus]:
         """`async with Bus.connect(cfg, url, name) as bus:` (or `bus = await Bus.connect(...)`)."""
-        return _Opening(cls.open(cfg, url, name, ensure, storage))
+        return Opening(cls.open(cfg, url, name, ensure, storage))
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -155,8 +134,12 @@ class Bus:
     # ---------------------------------------------------------------- streams
 
     async def ensure_streams(self, storage: str = "file") -> None:
-        """Create or update the work-queue streams (every partition), the DLQ and the blob store. Idempotent."""
+        """Create or update the work-queue streams (every partition), the DLQ and the blob store. Idempotent,
+        so retried while JetStream cannot answer (a cluster still forming: tests/test_bus_cluster_forming.py)."""
         st = _storage(storage)
+        await with_retry("ensure streams", lambda: self._ensure_streams(st), nc=self.nc)
+
+    async def _ensure_streams(self, st: js_api.StorageType) -> None:
         await ensure_work_streams(self.js, self.names, st, self.cfg.stream_replicas)
         self._obs = await self._object_store(create=True, storage=st)
 
