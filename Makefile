@@ -36,7 +36,7 @@ test-slow:
 # The heavy fault load of issue 27 (10 SIGKILLs, 4 of the learner; NATS down 3 s; 2,000 junk messages; a flaky
 # reward swapped in) against an undisturbed run in the same job, with its report.
 test-faults:
-	$(PYTEST) -q -s -m faults tests/test_chaos.py tests/test_bus_cluster.py
+	$(PYTEST) -q -s -m faults tests/test_chaos.py tests/test_bus_cluster.py tests/test_bus_cluster_forming.py
 
 # The seeded fault-injection run alone, with its report (it is also part of test-slow).
 test-chaos:
