@@ -19,7 +19,7 @@ async def learner_loop(ctx: ServiceContext) -> int:
 
     learner = Learner(ctx)
     try:
-        if stops_during_start(ctx):
+        if stops_during_start():
             await unless_stopped(ctx.stop, learner.setup())
         else:
             await learner.setup()

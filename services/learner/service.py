@@ -353,7 +353,7 @@ class Learner:
         what = " and ".join(name for name, compiled in parts.items() if compiled)
         post_notice(self.run_dir, "learner", f"compiling the {what}, once, at start")
         t0 = time.perf_counter()
-        run = on_own_thread if stops_during_start(self.ctx) else asyncio.to_thread  # see stops_during_start
+        run = on_own_thread if stops_during_start() else asyncio.to_thread  # see stops_during_start
         if await run(self.trainer.warm_up):  # one process: a stop mid-compile does not wait it out
             post_notice(self.run_dir, "learner", f"{what} compiled in {time.perf_counter() - t0:.1f} s")
 
@@ -474,7 +474,7 @@ class Learner:
         )
 
 
-def stops_during_start(ctx: ServiceContext) -> bool:
+def stops_during_start() -> bool:
     """A stop may abandon the start-up (model load, optimizer) of a learner that is one process. Ranks of
     several meet in collectives while they set up: rank 0 leaving halfway would strand the others, so they
     finish setting up and stop together."""
