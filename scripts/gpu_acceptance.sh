@@ -10,6 +10,7 @@
 #                                      # one more batch profiled: rollout.log; then one decode step's
 #                                      # attention per kernel: bench/decode_attention.py)
 #   bash scripts/gpu_acceptance.sh 2   # bench/e2e_gpu.py: rlbus async 0/1 beside TRL + static cache, 3 paired rounds
+#                                      # (E2E_VARIANT: rlbus's overrides, joined by commas)
 #   bash scripts/gpu_acceptance.sh 3   # bench/learning.py (pretrain on the spot, then rlbus a0/a1 and TRL)
 #     pretraining (up to 300 s) and three 120 s budgets outrun one slot: run part 3 twice on the same machine
 #     (it stays warm 30 s after a call), first with LEARNING_ARGS="--budget-s 120 --no-trl", then plainly; the
@@ -61,8 +62,10 @@ case $part in
   timeout 120 "$py" bench/decode_attention.py --cache 1056 2>&1 | grep -vi warn
   ;;
 2)
+  # E2E_VARIANT: rlbus-only overrides joined by commas (such as run.gpu_sharing=mps,run.mps_learner_sm_percent=75)
+  variant_overrides "${E2E_VARIANT:-}"
   timeout 570 "$py" bench/e2e_gpu.py --async-levels 0,1 --trl-variants static --rounds 3 --warmup 2 --steps 5 \
-    --timeout 240 2>&1 | grep -v "Loading weights" | tee "$results/e2e.log" | tail -40
+    --timeout 240 "${overrides[@]}" 2>&1 | grep -v "Loading weights" | tee "$results/e2e.log" | tail -40
   ;;
 3)
   work=${LEARNING_WORK:-/tmp/rlbus-learning}
