@@ -53,6 +53,15 @@ async def on_own_thread(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
     return await done
 
 
+def start_on_own_thread(fn: Callable[[], None], what: str) -> threading.Thread:
+    """`fn()` on a daemon thread counted as start-up work (`unfinished_start_work`) while it runs: for work a
+    service starts at its start and lets finish while it serves (a compile that a faster stand-in covers
+    meanwhile); a process that ends before it does leaves at once (`leave_if_start_abandoned`)."""
+    thread = threading.Thread(target=fn, name=f"{THREAD_PREFIX}{what}", daemon=True)
+    thread.start()
+    return thread
+
+
 def unfinished_start_work() -> list[str]:
     """What `on_own_thread` started and is still running (thread names)."""
     return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]

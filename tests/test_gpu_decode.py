@@ -23,11 +23,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("decode_step", ["inductor", "recorded"])
+@pytest.mark.parametrize("decode_step", ["inductor", "recorded", "recorded_then_inductor"])
 def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(
     tmp_path: Path, decode_step: str
 ) -> None:
-    """Either decode step (rollout.decode_step: compiled by inductor, or the eager kernels recorded)."""
+    """Each decode step (rollout.decode_step: compiled by inductor, the eager kernels recorded, or compiled in
+    the background while the recorded one serves)."""
     from torch._dynamo.utils import counters
 
     tiny = build_tiny_model(tmp_path / "tiny")
@@ -45,6 +46,10 @@ def test_compiled_static_decode_matches_eager_and_compiles_only_at_warm_up(
     eager = HFEngine(tiny, dtype="float32", device="cuda", max_batch_rows=64, compiled_decode=False)
     assert fast.compiled_decode and fast.static_decode and not eager.static_decode
     fast.warm_up(print)
+    if (
+        fast.background_compile is not None
+    ):  # recorded_then_inductor: the batches below take the compiled step
+        assert fast.background_compile.wait(300) and fast.background_compile.state == "ready"
     new_graphs = (
         0  # compiled inside fast.generate after warm-up (the reference log-probs below compile theirs)
     )

@@ -381,3 +381,56 @@ def test_a_static_cache_writes_at_counters_of_its_own_that_a_recording_puts_back
             input_ids=ids[:, :1], past_key_values=cache, cache_position=torch.tensor([3]), use_cache=True
         )
     assert [int(c) for c in counters] == [5] * engine.model.config.num_hidden_layers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_decode_step_compiled_in_the_background_serves_from_the_next_batch(tiny: Path) -> None:
+    """rollout.decode_step=recorded_then_inductor: `warm_up` returns before the decode step compiles (dynamo's
+    compile lock, held here, keeps the compile from starting), batches meanwhile decode as the eager engine
+    does, and once the compile ends the next batch takes the compiled step: the same tokens, the log-probs the
+    learner recomputes, and no graph compiled in a batch (the compile ran on caches of its own)."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import counters
+
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+
+    torch._dynamo.reset()
+    engine = HFEngine(
+        tiny,
+        device="cpu",
+        max_batch_rows=16,
+        compiled_decode=True,
+        decode_shapes=plan_decode_shapes(16, 24, 8),
+        decode_step="recorded_then_inductor",
+    )
+    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+    tok = engine.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    requests = [
+        GenerationRequest(tok.encode(p, add_special_tokens=False), 8, greedy) for p in ("12+3=", "7=")
+    ]
+    want = [[c.response_ids for c in r] for r in eager.generate(requests)]
+    said: list[str] = []
+    with convert_frame.compile_lock:  # the background compile cannot begin until this block ends
+        engine.warm_up(said.append)
+        compiling = engine.background_compile
+        assert compiling is not None and compiling.state == "compiling"
+        assert "in the background" in said[-1]
+        assert [[c.response_ids for c in r] for r in engine.generate(requests)] == want
+        assert compiling.state == "compiling"  # the batch above decoded eagerly
+    assert compiling.wait(500), "the background compile did not end"
+    assert compiling.state == "ready", said
+    assert said[-1].startswith("decode step compiled in the background in")
+    compiled_graphs = counters["stats"]["unique_graphs"]
+    assert [[c.response_ids for c in r] for r in engine.generate(requests)] == want
+    assert compiling.state == "taken"  # that batch took the compiled step
+    prompt = tok.encode("12+3=", add_special_tokens=False)
+    sampled = engine.generate([GenerationRequest(prompt, 8, SamplingParams(temperature=0.7, max_tokens=8))])
+    assert counters["stats"]["unique_graphs"] == compiled_graphs, "a batch compiled a graph of its own"
+    comps = sampled[0]
+    recomputed = response_logprobs(
+        eager.model, [prompt] * len(comps), [c.response_ids for c in comps], eager.pad_id, 0.7
+    )
+    for comp, want_lp in zip(comps, recomputed, strict=True):
+        np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)

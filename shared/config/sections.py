@@ -242,11 +242,13 @@ class RolloutConfig(Section):
         "(validation, partial fetches); off, they are padded to the fetch's rows, which saves that shape's "
         "compile at start (12-23 s on an H100) for a few padded decode steps",
     )
-    decode_step: Literal["inductor", "recorded"] = Field(
+    decode_step: Literal["inductor", "recorded", "recorded_then_inductor"] = Field(
         "inductor",
         description="hf engine on a GPU: how its decode step runs, once per batch shape: inductor compiles it "
         "(fused kernels in CUDA graphs; 12-23 s a shape at start on an H100), recorded records the model's "
-        "own kernels as a CUDA graph (no compile: 3-5 s at start at 75M, but 1.65x slower decode there)",
+        "own kernels as a CUDA graph (no compile: 3-5 s at start at 75M, but 1.65x slower decode there), "
+        "recorded_then_inductor serves recorded from the start while inductor compiles the step on a thread, "
+        "and decodes compiled from the batch after the compile ends",
     )
     enable_prefix_caching: bool = Field(
         True, description="vLLM reuses the KV cache of shared prompt prefixes (the n samples of a prompt)"

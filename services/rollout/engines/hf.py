@@ -29,6 +29,7 @@ from rlbus.modeling import (
     pick_device,
     response_logprobs,
 )
+from rlbus.rollout.engines.background_compile import BackgroundCompile
 from rlbus.rollout.engines.base import Completion, GenerationRequest, RolloutEngine
 from rlbus.rollout.engines.decode_shapes import DecodeShapes, bucket_width, plan_decode_shapes
 from rlbus.rollout.engines.fused_projections import fuse_projections as fuse_decoder_projections
@@ -126,6 +127,7 @@ class HFEngine(RolloutEngine):
         self.decode_step = decode_step
         step = make_decode_step(self.model, decode_step, self.device) if self.compiled_decode else None
         self._decoder = StaticDecoder(self.model, step, compile_sampler=self.compiled_decode and sampler)
+        self.background_compile: BackgroundCompile | None = None  # recorded_then_inductor, after warm_up
         self.seed = int(seed)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self.policy_version = 0
@@ -209,7 +211,7 @@ class HFEngine(RolloutEngine):
             return
         buckets = sorted(shapes.row_buckets, reverse=True)
         verb, done = (
-            ("recording", "recorded") if self.decode_step == "recorded" else ("compiling", "compiled")
+            ("compiling", "compiled") if self.decode_step == "inductor" else ("recording", "recorded")
         )
         say(f"{verb} the decode step for {len(buckets)} batch shapes ({', '.join(map(str, buckets))} rows "
             f"x {shapes.cache_len} positions), once, at start")  # fmt: skip
@@ -220,6 +222,20 @@ class HFEngine(RolloutEngine):
             with self._lock:
                 self._generate_rows([[self.pad_id]] * rows, warm, seed=0)
             say(f"[{i}/{len(buckets)}] decode step for {rows} rows {done} in {time.monotonic() - t0:.1f} s")
+        if self.compiled_decode and self.decode_step == "recorded_then_inductor":
+            self.background_compile = BackgroundCompile(self.model, shapes, self.pad_id, self.device, say)
+            self.background_compile.start()
+
+    def _take_compiled_step(self) -> None:
+        """At a batch's start (under the lock): the decode step compiled in the background, once it is ready,
+        in place of the recorded one (whose graphs go with it)."""
+        compiling = self.background_compile
+        step = compiling.take() if compiling is not None else None
+        if compiling is not None and step is not None:
+            self._decoder.step = step
+            log.info(
+                "decode step: the compiled one from this batch on", compile_s=round(compiling.seconds, 1)
+            )
 
     def _generation_config(self, sp: SamplingParams, static_cache: bool = False) -> GenerationConfig:
         # Every sampling knob is set explicitly: unset ones would take transformers' defaults (top_k=50!).
@@ -297,6 +313,7 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):  # our seed, without touching the caller's RNG
             torch.manual_seed(seed)
             if cache is not None and not stops and self.static_decode:  # no host sync per token
+                self._take_compiled_step()
                 cache_len = cast(DecodeShapes, self.decode_shapes).cache_len
                 done = self._decoder.run(ids, mask, cache, cache_len, sp, self.eos_ids, self.pad_id)
                 return [

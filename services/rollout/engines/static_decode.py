@@ -80,24 +80,76 @@ def sample_tokens(
     return token, scaled.gather(-1, token[:, None]).squeeze(-1) - log_normaliser
 
 
-DecodeStepKind = Literal["inductor", "recorded"]  # rollout.decode_step
+DecodeStepKind = Literal["inductor", "recorded", "recorded_then_inductor"]  # rollout.decode_step
+DECODE_STEP_KINDS: tuple[DecodeStepKind, ...] = ("inductor", "recorded", "recorded_then_inductor")
 
 
 def make_decode_step(model: Any, how: DecodeStepKind, device: torch.device) -> Callable[..., Any]:
     """The decode step a static cache runs: `inductor` compiles it (transformers' `get_compiled_call`: fused
     kernels, in CUDA graphs on a GPU; on the CPU only where tests ask), `recorded` records its eager kernels as
-    a CUDA graph per shape (recorded_decode.py: no compile; a GPU only)."""
-    if how == "recorded":
-        if device.type != "cuda":
+    a CUDA graph per shape (recorded_decode.py: no compile; a GPU only). `recorded_then_inductor` starts
+    recorded (eager on the CPU: tests) until the engine takes the step compiled in the background
+    (background_compile.py)."""
+    if how not in DECODE_STEP_KINDS:
+        raise ValueError(f"unknown decode step {how!r}: {', '.join(DECODE_STEP_KINDS)}")
+    if how == "inductor":
+        return model.get_compiled_call(decode_compile_config(device))
+    if device.type != "cuda":
+        if how == "recorded":
             raise ValueError(
                 "rollout.decode_step=recorded records CUDA graphs: it needs the replica on a GPU"
             )
-        from rlbus.rollout.engines.recorded_decode import RecordedDecodeStep
+        return model  # eager until the compiled step is taken
+    from rlbus.rollout.engines.recorded_decode import RecordedDecodeStep
 
-        return RecordedDecodeStep(model)
-    if how != "inductor":
-        raise ValueError(f"unknown decode step {how!r}: inductor or recorded")
-    return model.get_compiled_call(decode_compile_config(device))
+    return RecordedDecodeStep(model)
+
+
+def call_step(  # noqa: PLR0913
+    step: Callable[..., Any],
+    token: torch.Tensor,
+    full_mask: torch.Tensor,
+    position: torch.Tensor,
+    cache: StaticCache,
+    cache_position: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step's logits [rows, vocab] for `token` [rows] at `position` [rows, 1] (its keys and values
+    written at `cache_position`), the keywords as transformers' decode passes them."""
+    torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
+    out = step(
+        input_ids=token[:, None],
+        attention_mask=full_mask,
+        position_ids=position,
+        past_key_values=cache,
+        cache_position=cache_position,
+        use_cache=True,
+    )
+    return out.logits[:, -1]
+
+
+def exercise_decode_step(  # noqa: PLR0913
+    model: Any,
+    step: Callable[..., Any],
+    cache: StaticCache,
+    rows: int,
+    cache_len: int,
+    pad_id: int,
+    device: torch.device,
+    tokens: int = 3,
+) -> None:
+    """`step` run as `StaticDecoder.run` runs it at `rows` x `cache_len` (an eager prefill of one token a row,
+    then `tokens` decode steps on pad tokens), with no sampler: what compiles a step for that shape."""
+    width = 1
+    ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    full_mask = torch.zeros((rows, cache_len), dtype=torch.long, device=device)
+    full_mask[:, :width] = 1
+    model(input_ids=ids, attention_mask=full_mask, position_ids=torch.zeros_like(ids), past_key_values=cache,
+          cache_position=torch.arange(width, device=device), use_cache=True)  # fmt: skip
+    next_position = full_mask.sum(-1, keepdim=True)
+    cache_positions = torch.arange(width, width + tokens, device=device)
+    for t in range(tokens):
+        full_mask[:, width + t] = 1
+        call_step(step, ids[:, 0], full_mask, next_position + t, cache, cache_positions[t : t + 1])
 
 
 def decode_compile_config(device: torch.device) -> CompileConfig:
@@ -190,15 +242,7 @@ class StaticDecoder:
             if t + 1 == sp.max_tokens or ((t + 1) % CHECK_EVERY == 0 and bool(ended.all())):
                 break
             full_mask[:, width + t] = 1
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
-            out = self.step(
-                input_ids=token[:, None],
-                attention_mask=full_mask,
-                position_ids=next_position + t,
-                past_key_values=cache,
-                cache_position=cache_positions[t : t + 1],
-                use_cache=True,
+            logits = call_step(
+                self.step, token, full_mask, next_position + t, cache, cache_positions[t : t + 1]
             )
-            logits = out.logits[:, -1]
-            del out
         return Decoded(tokens[:, :steps].tolist(), logprobs[:, :steps].cpu().numpy())
