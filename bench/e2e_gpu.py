@@ -195,7 +195,7 @@ def run_rlbus(
 def print_step_parts(rows: list[dict], groups: int) -> None:
     """Where each measured step went: the learner's training, its wait for the batch, the replicas' generation
     of a step's groups (the GPU's other user at async_level=1) and the push: so a slow step says which part
-    was slow."""
+    was slow (an allocator retry frees the GPU's cached blocks and syncs)."""
     parts = {"train": "timing/train_s", "wait": "timing/wait_batch_s", "push": "timing/weight_push_s"}
     print(
         "  step s = train + wait for the batch + push (+ the rest); generation s in the replicas:", flush=True
@@ -203,8 +203,9 @@ def print_step_parts(rows: list[dict], groups: int) -> None:
     for r in rows:
         values = " ".join(f"{name} {float(r.get(key, float('nan'))):.3f}" for name, key in parts.items())
         generation = float(r.get("timing/generate_s_per_group", float("nan"))) * groups
+        retries = f"; allocator retries so far {int(r['perf/alloc_retries'])}" if "perf/alloc_retries" in r else ""
         print(f"    step {int(r.get('step', 0))}: {float(r['timing/step_s']):.3f} = {values}; generation "
-              f"{generation:.3f}", flush=True)  # fmt: skip
+              f"{generation:.3f}{retries}", flush=True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- TRL

@@ -26,6 +26,7 @@ VERL_METRICS = (
     "actor/ppo_kl",
     "actor/pg_loss",
     "perf/throughput",
+    "perf/cpu_memory_used_gb",
 )
 
 

@@ -54,3 +54,19 @@ def test_validation_is_logged_at_verls_step(nats_url: str, run_id: str, tmp_path
     for row in training:
         for verl_name in ("critic/score/mean", "response_length/mean", "perf/throughput", "timing_s/step"):
             assert verl_name in row, verl_name
+
+
+def test_memory_gauges_carry_verls_names_and_the_gpu_ones_only_on_a_gpu() -> None:
+    """The learner logs verl's memory gauges with each step: this process's resident memory everywhere, the GPU's
+    peaks and the caching allocator's retries only where it trains on a GPU."""
+    import psutil
+    import torch
+
+    from rlbus.learner.step_metrics import memory_metrics
+
+    cpu = memory_metrics(torch.device("cpu"))
+    assert set(cpu) == {"perf/cpu_memory_used_gb"}
+    assert 0 < cpu["perf/cpu_memory_used_gb"] <= psutil.virtual_memory().total / 1024**3
+    if torch.cuda.is_available():
+        gpu = memory_metrics(torch.device("cuda"))
+        assert {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/alloc_retries"} <= set(gpu)

@@ -17,7 +17,7 @@ from rlbus.learner.memory_checkpoint import MemoryCheckpoint
 from rlbus.learner.resume import LEARNER_DURABLE, prepare_bus, restore
 from rlbus.learner.rollout_data import write_rollout_data
 from rlbus.learner.step_checkpoints import StepCheckpoints, resume_source
-from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, run_counters
+from rlbus.learner.step_metrics import batch_metrics, compiled_graph_count, memory_metrics, run_counters
 from rlbus.messages import ReadyGroup
 from rlbus.notices import post_notice
 from rlbus.service import ServiceContext
@@ -413,15 +413,19 @@ class Learner:
         self.pusher.close()
 
     def _step_metrics(self, tokens: int, tokens_per_s: float) -> dict[str, float]:
-        return run_counters(
-            self.ledger,
-            self.pusher,
-            self.trainer.par.world_size,
-            self.version,
-            tokens,
-            tokens_per_s,
-            self.checkpoints,
-        ) | {"bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0))}
+        return (
+            run_counters(
+                self.ledger,
+                self.pusher,
+                self.trainer.par.world_size,
+                self.version,
+                tokens,
+                tokens_per_s,
+                self.checkpoints,
+            )
+            | memory_metrics(self.trainer.device)
+            | {"bus/dead_letters": float(getattr(self.gatherer.consumer, "dead_letters", 0))}
+        )
 
     async def validate_only(self) -> int:
         """trainer.val_only (verl): held-out scores of the starting (or resumed) policy, logged at its step."""

@@ -6,10 +6,14 @@ from collections import Counter
 from typing import Protocol
 
 import numpy as np
+import psutil
+import torch
 from torch._dynamo.utils import counters
 
 from rlbus.learner.dispatch import DEAD_LETTERED, REFUSED, Ledger
 from rlbus.messages import ReadyGroup
+
+GB = 1024**3
 
 
 class PushCounters(Protocol):
@@ -55,6 +59,21 @@ def run_counters(
         # graphs torch.compile built in this process so far: a rise after step 1 is a compile stall
         "perf/compiled_graphs": float(compiled_graph_count()),
     }
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """verl's memory gauges (`perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: the peaks so far on
+    the learner's GPU; `perf/cpu_memory_used_gb`: this process's resident memory), plus the caching allocator's
+    retries so far: a retry frees every cached block and syncs, a slow step's usual cause on a shared GPU."""
+    out = {"perf/cpu_memory_used_gb": psutil.Process().memory_info().rss / GB}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        out |= {
+            "perf/max_memory_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
+            "perf/max_memory_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
+            "perf/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+        }
+    return out
 
 
 def compiled_graph_count() -> int:
