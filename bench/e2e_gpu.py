@@ -203,7 +203,9 @@ def print_step_parts(rows: list[dict], groups: int) -> None:
     for r in rows:
         values = " ".join(f"{name} {float(r.get(key, float('nan'))):.3f}" for name, key in parts.items())
         generation = float(r.get("timing/generate_s_per_group", float("nan"))) * groups
-        retries = f"; allocator retries so far {int(r['perf/alloc_retries'])}" if "perf/alloc_retries" in r else ""
+        retries = (
+            f"; allocator retries so far {int(r['perf/alloc_retries'])}" if "perf/alloc_retries" in r else ""
+        )
         print(f"    step {int(r.get('step', 0))}: {float(r['timing/step_s']):.3f} = {values}; generation "
               f"{generation:.3f}{retries}", flush=True)  # fmt: skip
 
