@@ -434,3 +434,39 @@ def test_decode_step_compiled_in_the_background_serves_from_the_next_batch(tiny:
     )
     for comp, want_lp in zip(comps, recomputed, strict=True):
         np.testing.assert_allclose(comp.logprobs, want_lp, atol=1e-4)
+
+
+def test_a_failed_background_compile_leaves_the_first_step_serving(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background compile that fails (on a shared GPU: out of memory) is told on the console with its reason,
+    and the replica decodes on with the step it started with."""
+    from rlbus.rollout.engines import background_compile
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA out of memory (this test's)")
+
+    monkeypatch.setattr(background_compile.torch, "compile", out_of_memory)
+    engine = HFEngine(
+        tiny,
+        device="cpu",
+        max_batch_rows=16,
+        compiled_decode=True,
+        decode_shapes=plan_decode_shapes(16, 24, 8),
+        decode_step="recorded_then_inductor",
+    )
+    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+    said: list[str] = []
+    engine.warm_up(said.append)
+    compiling = engine.background_compile
+    assert compiling is not None and compiling.wait(60) and compiling.state == "failed"
+    assert "background compile failed (RuntimeError: CUDA out of memory" in said[-1]
+    tok = engine.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    requests = [
+        GenerationRequest(tok.encode(p, add_special_tokens=False), 8, greedy) for p in ("12+3=", "7=")
+    ]
+    got, want = engine.generate(requests), eager.generate(requests)
+    assert [[c.response_ids for c in r] for r in got] == [[c.response_ids for c in r] for r in want]
+    assert compiling.state == "failed"

@@ -69,4 +69,5 @@ def test_memory_gauges_carry_verls_names_and_the_gpu_ones_only_on_a_gpu() -> Non
     assert 0 < cpu["perf/cpu_memory_used_gb"] <= psutil.virtual_memory().total / 1024**3
     if torch.cuda.is_available():
         gpu = memory_metrics(torch.device("cuda"))
-        assert {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/alloc_retries"} <= set(gpu)
+        gauges = {"perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/alloc_retries"}
+        assert gauges <= set(gpu)
