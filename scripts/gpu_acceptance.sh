@@ -23,11 +23,15 @@
 #                                      # (rollout.decode_step), profiled; then the learning bench's async_level=1
 #                                      # in each of LEARNING_VARIANTS (default: time-sliced, then under MPS: its
 #                                      # 75M decode leaves most SMs idle, where MPS may overlap the update)
+#   bash scripts/gpu_acceptance.sh 7   # the decode step compiled in the background (rollout.decode_step=
+#                                      # recorded_then_inductor): the GPU decode tests, decode at the learning
+#                                      # bench's 75M shape against the compiled step, then the learning bench's
+#                                      # async_level=1 in that mode beside TRL (75 s budgets; about 580 s in all)
 #   bash scripts/gpu_acceptance.sh 4   # bench/learner.py: rlbus's learner step beside the plain bf16 loop, eager and
 #                                      # compiled (LEARNER_CONFIGS picks others)
 # Results go to $RESULTS (default ./gpu-results). Needs rlbus installed with its bench extra (trl) on the GPU box.
 set -uo pipefail
-part=${1:?part 0, 1, 2, 3, 4, 5 or 6}
+part=${1:?part 0 to 7}
 results=${RESULTS:-./gpu-results}
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1
@@ -115,8 +119,18 @@ case $part in
       | tee "$results/learning-${variant//[=,]/-}.log" | grep -E "^pretrained|^rlbus async_level=1.*: [0-9]|by updates"
   done
   ;;
+7)
+  timeout 150 "$py" -m pytest -q tests/test_gpu_decode.py -p no:cacheprovider -x 2>&1 | tail -6
+  timeout 120 "$py" bench/rollout.py --random-model 768:12:2048 --max-tokens 148 --ignore-eos \
+    --engines hf-handover,hf --prompts 64 --n 8 --max-num-seqs 512 --dtype bfloat16 --device cuda --batches 3 \
+    --pushes 0 2>&1 | grep -v "Loading weights" | tee "$results/rollout-handover.log" | grep -E "^(-- |   |engine|hf)"
+  work=${LEARNING_WORK:-/tmp/rlbus-learning}
+  timeout 300 "$py" bench/learning.py --work "$work" --budget-s 75 --pretrain-s 100 --async-levels 1 \
+    --micro-batch 512 --rlbus-override rollout.decode_step=recorded_then_inductor 2>&1 | grep -v "Loading weights" \
+    | tee "$results/learning-handover.log" | grep -v "rlbus up run.id" | tail -24
+  ;;
 *)
-  echo "unknown part $part (0, 1, 2, 3, 4, 5 or 6)" >&2
+  echo "unknown part $part (0 to 7)" >&2
   exit 2
   ;;
 esac
