@@ -383,6 +383,22 @@ def test_a_static_cache_writes_at_counters_of_its_own_that_a_recording_puts_back
     assert [int(c) for c in counters] == [5] * engine.model.config.num_hidden_layers
 
 
+def _compiling_in_background_and_eager(tiny: Path) -> tuple[HFEngine, HFEngine]:
+    """An engine whose decode step compiles in the background (rollout.decode_step=recorded_then_inductor: eager
+    until then on the CPU), one planned shape of 16 rows, and the eager engine its batches must match."""
+    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
+
+    engine = HFEngine(
+        tiny,
+        device="cpu",
+        max_batch_rows=16,
+        compiled_decode=True,
+        decode_shapes=plan_decode_shapes(16, 24, 8),
+        decode_step="recorded_then_inductor",
+    )
+    return engine, HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_decode_step_compiled_in_the_background_serves_from_the_next_batch(tiny: Path) -> None:
@@ -393,18 +409,8 @@ def test_decode_step_compiled_in_the_background_serves_from_the_next_batch(tiny:
     from torch._dynamo import convert_frame
     from torch._dynamo.utils import counters
 
-    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
-
     torch._dynamo.reset()
-    engine = HFEngine(
-        tiny,
-        device="cpu",
-        max_batch_rows=16,
-        compiled_decode=True,
-        decode_shapes=plan_decode_shapes(16, 24, 8),
-        decode_step="recorded_then_inductor",
-    )
-    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+    engine, eager = _compiling_in_background_and_eager(tiny)
     tok = engine.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     requests = [
@@ -442,21 +448,12 @@ def test_a_failed_background_compile_leaves_the_first_step_serving(
     """A background compile that fails (on a shared GPU: out of memory) is told on the console with its reason,
     and the replica decodes on with the step it started with."""
     from rlbus.rollout.engines import background_compile
-    from rlbus.rollout.engines.decode_shapes import plan_decode_shapes
 
     def out_of_memory(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA out of memory (this test's)")
 
     monkeypatch.setattr(background_compile.torch, "compile", out_of_memory)
-    engine = HFEngine(
-        tiny,
-        device="cpu",
-        max_batch_rows=16,
-        compiled_decode=True,
-        decode_shapes=plan_decode_shapes(16, 24, 8),
-        decode_step="recorded_then_inductor",
-    )
-    eager = HFEngine(tiny, device="cpu", max_batch_rows=16, compiled_decode=False)
+    engine, eager = _compiling_in_background_and_eager(tiny)
     said: list[str] = []
     engine.warm_up(said.append)
     compiling = engine.background_compile
