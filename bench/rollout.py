@@ -139,10 +139,9 @@ def bench_engine(
         start = time.perf_counter()
         first = engine.generate(requests)
         first_s = time.perf_counter() - start
+        # hf-handover: time the compiled step, which the batch after the compile takes
         compiling = getattr(engine, "background_compile", None)
-        if (
-            compiling is not None
-        ):  # hf-handover: time the compiled step, which the batch after the compile takes
+        if compiling is not None:
             compiling.wait()
             engine.generate(requests)
         tokens, seconds = 0, 0.0
@@ -218,13 +217,8 @@ def over_rounds(runs: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-PLANNED = (
-    "hf",
-    "hf-recorded",
-    "hf-handover",
-    "hf-unfused",
-    "hf-sdpa-decode",
-)  # engines whose decode shapes are planned
+# engines whose decode shapes are planned
+PLANNED = ("hf", "hf-recorded", "hf-handover", "hf-unfused", "hf-sdpa-decode")
 
 
 def _hf_engine(name: str, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Any:

@@ -230,8 +230,7 @@ class HFEngine(RolloutEngine):
         """At a batch's start (under the lock): the decode step compiled in the background, once it is ready,
         in place of the recorded one (whose graphs go with it)."""
         compiling = self.background_compile
-        step = compiling.take() if compiling is not None else None
-        if compiling is not None and step is not None:
+        if compiling is not None and (step := compiling.take()) is not None:
             self._decoder.step = step
             log.info(
                 "decode step: the compiled one from this batch on", compile_s=round(compiling.seconds, 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ def sample_tokens(
 
 
 DecodeStepKind = Literal["inductor", "recorded", "recorded_then_inductor"]  # rollout.decode_step
-DECODE_STEP_KINDS: tuple[DecodeStepKind, ...] = ("inductor", "recorded", "recorded_then_inductor")
+DECODE_STEP_KINDS: tuple[DecodeStepKind, ...] = get_args(DecodeStepKind)
 
 
 def make_decode_step(model: Any, how: DecodeStepKind, device: torch.device) -> Callable[..., Any]:
